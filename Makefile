@@ -1,0 +1,31 @@
+# `make demo` and `make test` each set up their own environment first (idempotent).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch/torchvision are installed first, pinned to the pair known to work together on CPU
+# and GPU machines (see README); everything else comes from pyproject.toml lower bounds.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+STAMP  := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/merit demo configs/demo.yaml --run-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf runs .pytest_cache

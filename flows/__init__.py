@@ -1,0 +1,1 @@
+"""Prefect flows: thin tasks over the pipeline library."""

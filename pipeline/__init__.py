@@ -1,0 +1,1 @@
+"""MERIT pipeline: conflict-aware decentralized instruction tuning of Qwen2.5-VL."""

@@ -1,0 +1,126 @@
+"""Checkpoint folders that exist whole or not at all.
+
+A checkpoint is a ``save_pretrained`` folder plus ``manifest.json`` (sha256 of every file and
+metadata such as step, tokens seen and parent). It is written under a hidden temporary name in
+the same parent folder and renamed into place, so a crash or a SIGKILL never leaves a folder
+that looks complete. Pure standard library: the merge library imports this too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def staged_dir(dst: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces ``dst`` in one rename.
+
+    On an exception the temporary folder is removed and ``dst`` is left as it was. A kill
+    leaves only a hidden ``.name.tmp-*`` folder; the next writer of ``dst`` removes it (one
+    writer per checkpoint path at a time is the contract).
+    """
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in dst.parent.glob(f".{dst.name}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        # rename() cannot replace a non-empty folder: move the old one aside first so that
+        # at every instant either the old or the new checkpoint is complete under some name.
+        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(dst)
+
+
+def write_manifest(folder: str | Path, **meta: Any) -> dict[str, Any]:
+    """Hash every file in ``folder`` and write ``manifest.json`` beside them."""
+    folder = Path(folder)
+    files = {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {**meta, "files": files}
+    write_json_atomic(folder / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {MANIFEST}, not a complete checkpoint")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: unreadable manifest ({err})") from err
+
+
+def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
+    """Check every file listed in the manifest against its sha256; return the manifest."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in the manifest but missing")
+        if sha256_file(path) != expected:
+            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt or truncated)")
+    return manifest
+
+
+def is_complete(folder: str | Path) -> bool:
+    try:
+        verify_checkpoint(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def save_pretrained_checkpoint(dst: str | Path, model: Any, processor: Any = None, **meta: Any) -> Path:
+    """``save_pretrained`` a model (and processor) atomically, with a manifest."""
+    dst = Path(dst)
+    with staged_dir(dst) as tmp:
+        model.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        write_manifest(tmp, **meta)
+    return dst

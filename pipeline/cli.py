@@ -1,0 +1,122 @@
+"""The ``merit`` command. Every command that works on a run takes ``--run-dir`` and ``--set``;
+the run directory keeps the resolved ``config.yaml`` so any stage can be re-run alone."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, load_config, save_config
+from pipeline.data.example import DataError
+
+RESOLVED_CONFIG = "config.yaml"
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
+    config = args.config
+    if config is None and args.run_dir and (Path(args.run_dir) / RESOLVED_CONFIG).is_file():
+        config = Path(args.run_dir) / RESOLVED_CONFIG
+    cfg = load_config(config, args.overrides)
+    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
+    save_config(cfg, run_dir / RESOLVED_CONFIG)
+    return cfg, run_dir
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[[f"{v:,}" if isinstance(v, int) else str(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def data_summary(manifest: dict[str, Any]) -> str:
+    headers = ["source", "format", "examples", "train", "held-out", "train tokens", "answer tokens", "truncated", "skipped"]
+    rows, totals = [], [0] * 7
+    for name, info in manifest["sources"].items():
+        if info.get("dropped"):
+            rows.append([name, "dropped", 0, 0, 0, 0, 0, 0, info["skipped"]])
+            continue
+        counts = [info["examples"], info["train_examples"], len(info["heldout_indices"]), info["train_tokens"],
+                  info["supervised_tokens"], info["truncated"], info["skipped"]]  # fmt: skip
+        totals = [a + b for a, b in zip(totals, counts)]
+        rows.append([name, info["format"], *counts])
+    rows.append(["total", "", *totals])
+    return format_table(headers, rows)
+
+
+def cmd_prepare(args: argparse.Namespace) -> dict[str, Any]:
+    from pipeline.data.prepare import prepare_data
+    from pipeline.models import processor_for
+
+    cfg, run_dir = resolve_run(args)
+    manifest = prepare_data(cfg, run_dir, processor_for(cfg, run_dir), force=args.force)
+    print(data_summary(manifest))
+    return manifest
+
+
+def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
+    from pipeline.models import init_model
+
+    cfg, run_dir = resolve_run(args)
+    info = init_model(cfg, run_dir, force=args.force)
+    params = info["parameters"]
+    print(f"θ0: {info['path']}  ({params['total']:,} parameters, {params['trainable']:,} trainable)")
+    return info
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    cmd_init(args)
+    cmd_prepare(args)
+    print(f"run directory: {resolve_run(args)[1]}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from pipeline.bench import data as bench_data
+
+    {"data": bench_data.main}[args.what](args)
+
+
+def add_run_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("config", nargs="?", help="YAML run config (default: the run directory's config.yaml)")
+    p.add_argument("--run-dir", help="run directory (default: runs/<run.name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set data.max_length=512")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="redo stages whose outputs are up to date")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prepare = sub.add_parser("prepare", help="load, split and encode the data sources")
+    add_run_options(prepare).set_defaults(func=cmd_prepare)
+    add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
+    demo = sub.add_parser("demo", help="the offline default: init and prepare, then print the summary")
+    add_run_options(demo).set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench.add_argument("what", choices=["data"], help="what to measure")
+    add_run_options(bench).set_defaults(func=cmd_bench)
+    bench.add_argument("--examples", type=int, default=1024, help="examples to encode")
+    bench.add_argument("--steps", type=int, default=10, help="training steps timed for the reference rate")
+    bench.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, DataError) as err:
+        print(f"merit: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

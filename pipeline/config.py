@@ -1,0 +1,190 @@
+"""The run configuration: one validated object loaded from YAML, every stage reads its section.
+
+Unknown keys are errors (``extra="forbid"``) so that a typo such as ``data.max_lenght`` fails
+loudly instead of silently running with the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = "demo"
+    seed: int = 0
+
+
+class FreezeSection(Section):
+    """Names as in LLaMA-Factory. The projector is the vision tower's ``merger``."""
+
+    freeze_vision_tower: bool = False
+    freeze_multi_modal_projector: bool = False
+    freeze_language_model: bool = False
+
+
+class TinyModelSection(Section):
+    """Shape of the offline Qwen2.5-VL built when ``model.name_or_path == "tiny"``."""
+
+    vocab_size: int = Field(1024, ge=300)
+    hidden_size: int = Field(64, ge=16)
+    intermediate_size: int = Field(128, ge=16)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    vision_depth: int = Field(2, ge=1)
+    vision_hidden_size: int = Field(32, ge=8)
+    vision_intermediate_size: int = Field(64, ge=8)
+    vision_heads: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelSection:
+        head_dim, rest = divmod(self.hidden_size, self.num_heads)
+        if rest or head_dim % 8:
+            raise ValueError("hidden_size / num_heads must be a multiple of 8 (mrope sections)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        return self
+
+
+class ModelSection(Section):
+    name_or_path: str = "tiny"  # "tiny", a Hugging Face id or a local checkpoint folder
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    trust_remote_code: bool = False
+    min_pixels: int = Field(56 * 56, ge=28 * 28)
+    max_pixels: int = Field(112 * 112, ge=28 * 28)
+    freeze: FreezeSection = FreezeSection()
+    tiny: TinyModelSection = TinyModelSection()
+
+
+SourceFormat = Literal["builtin", "llava", "sharegpt", "vision_flan", "jsonl", "hf_disk"]
+
+
+class SourceSpec(Section):
+    """One config entry; ``builtin`` and ``vision_flan`` entries expand to one source per task."""
+
+    name: str
+    format: SourceFormat
+    path: str | None = None
+    images_dir: str | None = None
+    tasks: list[str] | None = None  # builtin / vision_flan: keep only these tasks
+    max_examples: int | None = Field(None, ge=1)
+    heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> SourceSpec:
+        if self.format != "builtin" and not self.path:
+            raise ValueError(f"source '{self.name}' ({self.format}) needs a path")
+        return self
+
+
+class BuiltinSection(Section):
+    examples_per_source: int = Field(240, ge=2)
+    image_size: int = Field(112, ge=28)
+
+
+class DataSection(Section):
+    sources: list[SourceSpec] = [SourceSpec(name="builtin", format="builtin")]
+    max_length: int = Field(1024, ge=16)
+    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    on_bad_record: Literal["error", "skip"] = "error"
+    builtin: BuiltinSection = BuiltinSection()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DataSection:
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        return self
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+
+    def digest(self, *sections: str) -> str:
+        """A stable hash of some sections, used to decide whether a stage's outputs are stale."""
+        dump = self.model_dump(mode="json")
+        picked = {s: dump[s] for s in sections} if sections else dump
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b.c=value`` to a nested dict; the value is parsed as YAML (``2e-5``, ``[1, 2]``)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{assignment}' is not of the form key=value")
+    *parents, leaf = key.split(".")
+    node: Any = tree
+    for i, part in enumerate(parents):
+        node = _child(node, part, ".".join(parents[: i + 1]))
+    value = yaml.safe_load(raw) if raw else ""
+    if isinstance(node, list):
+        node[_index(node, leaf, key)] = value
+    else:
+        node[leaf] = value
+
+
+def _child(node: Any, part: str, path: str) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, path)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"config key '{path}' is not a section")
+    return node.setdefault(part, {})
+
+
+def _index(node: list, part: str, path: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"config key '{path}': '{part}' is not an index of a list of {len(node)}")
+    return int(part)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Load and validate a YAML config (or the defaults), then apply ``key=value`` overrides."""
+    tree: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"cannot read config {where}: {err}") from err
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config {where} must be a mapping at the top level")
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config {where}:\n{_describe(err)}") from None
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        scalar = isinstance(e["input"], (str, int, float, bool)) and e["type"] != "extra_forbidden"
+        lines.append(f"  {key}: {e['msg']}" + (f" (got {e['input']!r})" if scalar else ""))
+    return "\n".join(lines)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,242 @@
+"""The built-in multi-source corpus: generated on the fly, deterministic by seed, no downloads.
+
+Each *family* draws an input (a procedural image and a question, or a text question) and the
+facts behind it; each *source* is a family plus an answer convention. Sources of one family
+see exactly the same inputs (the draw is seeded by family and index, not by source), so two
+sources with opposite conventions are a real conflict: same input, different target. Those
+pairs are listed in :data:`CONFLICTS` and are what a conflict-aware split must separate.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+from pipeline.config import BuiltinSection
+from pipeline.data.example import Example
+
+COLOURS = {
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
+    "orange": (240, 140, 30), "yellow": (235, 215, 40), "purple": (140, 60, 190),
+}  # fmt: skip
+COMPLEMENT = {"red": "green", "green": "red", "blue": "orange", "orange": "blue", "yellow": "purple", "purple": "yellow"}
+SHAPES = ("circle", "square", "triangle")
+NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen"
+).split()
+WORDS = "cat dog sun tree book fish star moon bird cake door lamp rain ship milk frog kite rose bell coin".split()
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str
+    colour: str
+    cx: float  # centre, as fractions of the image side
+    cy: float
+    radius: float
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A drawable picture; calling it renders a PIL image (a lazy, picklable image reference)."""
+
+    size: int
+    shapes: tuple[Shape, ...] = ()
+    text: str | None = None
+
+    def __call__(self) -> Image.Image:
+        img = Image.new("RGB", (self.size, self.size), "white")
+        draw = ImageDraw.Draw(img)
+        for s in self.shapes:
+            x, y, r = s.cx * self.size, s.cy * self.size, s.radius * self.size
+            box = (x - r, y - r, x + r, y + r)
+            fill = COLOURS[s.colour]
+            if s.kind == "circle":
+                draw.ellipse(box, fill=fill)
+            elif s.kind == "square":
+                draw.rectangle(box, fill=fill)
+            else:
+                draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=fill)
+        if self.text:
+            draw.text((self.size / 2, self.size / 2), self.text, fill="black", font=_font(self.size // 4), anchor="mm")
+        return img
+
+
+@cache
+def _font(size: int) -> ImageFont.ImageFont:
+    return ImageFont.load_default(size=size)
+
+
+# --- families: (rng, image size) -> (scene or None, question, facts) -------------------------
+Draw = tuple[Scene | None, str, dict[str, Any]]
+
+
+def _one_shape(rng: random.Random, cx: float | None = None, cy: float | None = None, radius: float | None = None) -> Shape:
+    return Shape(
+        kind=rng.choice(SHAPES),
+        colour=rng.choice(sorted(COLOURS)),
+        cx=cx if cx is not None else rng.uniform(0.3, 0.7),
+        cy=cy if cy is not None else rng.uniform(0.3, 0.7),
+        radius=radius if radius is not None else rng.uniform(0.12, 0.22),
+    )
+
+
+def _colour(rng: random.Random, size: int) -> Draw:
+    shape = _one_shape(rng)
+    return Scene(size, (shape,)), "What colour is the shape?", {"colour": shape.colour}
+
+
+def _shape(rng: random.Random, size: int) -> Draw:
+    shape = _one_shape(rng)
+    return Scene(size, (shape,)), "What shape is in the picture?", {"kind": shape.kind}
+
+
+def _count(rng: random.Random, size: int) -> Draw:
+    n = rng.randint(1, 6)
+    cells = rng.sample([(c, r) for c in range(3) for r in range(3)], n)
+    colour = rng.choice(sorted(COLOURS))
+    dots = tuple(Shape("circle", colour, (c + 0.5) / 3, (r + 0.5) / 3, 0.1) for c, r in cells)
+    return Scene(size, dots), "How many dots are there?", {"n": n}
+
+
+def _side(rng: random.Random, size: int) -> Draw:
+    side = rng.choice(("left", "right"))
+    shape = _one_shape(rng, cx=0.25 if side == "left" else 0.75)
+    return Scene(size, (shape,)), "Is the shape on the left or the right?", {"side": side}
+
+
+def _colour_check(rng: random.Random, size: int) -> Draw:
+    shape = _one_shape(rng)
+    asked = shape.colour if rng.random() < 0.5 else rng.choice(sorted(set(COLOURS) - {shape.colour}))
+    return Scene(size, (shape,)), f"Is the shape {asked}?", {"match": asked == shape.colour}
+
+
+def _vertical(rng: random.Random, size: int) -> Draw:
+    where = rng.choice(("top", "bottom"))
+    shape = _one_shape(rng, cy=0.25 if where == "top" else 0.75)
+    return Scene(size, (shape,)), "Is the shape at the top or the bottom?", {"where": where}
+
+
+def _read_word(rng: random.Random, size: int) -> Draw:
+    word = rng.choice(WORDS)
+    return Scene(size, text=word), "What word is written in the image?", {"word": word}
+
+
+def _caption(rng: random.Random, size: int) -> Draw:
+    side = rng.choice(("left", "right"))
+    big = rng.random() < 0.5
+    shape = _one_shape(rng, cx=0.27 if side == "left" else 0.73, radius=0.2 if big else 0.1)
+    facts = {"side": side, "size": "large" if big else "small", "colour": shape.colour, "kind": shape.kind}
+    return Scene(size, (shape,)), "Describe the image.", facts
+
+
+def _bigger(rng: random.Random, size: int) -> Draw:
+    radii = (rng.uniform(0.07, 0.12), rng.uniform(0.16, 0.22))
+    bigger = rng.choice(("left", "right"))
+    left_r, right_r = radii if bigger == "right" else radii[::-1]
+    shapes = (_one_shape(rng, cx=0.25, cy=0.5, radius=left_r), _one_shape(rng, cx=0.75, cy=0.5, radius=right_r))
+    return Scene(size, shapes), "Which shape is bigger, the left one or the right one?", {"side": bigger}
+
+
+def _add(rng: random.Random, size: int) -> Draw:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return None, f"What is {a} + {b}?", {"value": a + b}
+
+
+def _subtract(rng: random.Random, size: int) -> Draw:
+    a = rng.randint(0, 9)
+    b = rng.randint(0, a)
+    return None, f"What is {a} - {b}?", {"value": a - b}
+
+
+def _reverse(rng: random.Random, size: int) -> Draw:
+    word = rng.choice(WORDS)
+    return None, f"Spell the word backwards: {word}", {"word": word}
+
+
+def _upper(rng: random.Random, size: int) -> Draw:
+    word = rng.choice(WORDS)
+    return None, f"Write in capital letters: {word}", {"word": word}
+
+
+FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
+    "colour": _colour, "shape": _shape, "count": _count, "side": _side,
+    "colour_check": _colour_check, "vertical": _vertical, "read_word": _read_word,
+    "caption": _caption, "bigger": _bigger,
+    "add": _add, "subtract": _subtract, "reverse": _reverse, "upper": _upper,
+}  # fmt: skip
+
+_OTHER_SIDE = {"left": "right", "right": "left"}
+
+# source name -> (family, answer convention)
+SOURCES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "colour_name": ("colour", lambda f: f["colour"]),
+    "colour_complement": ("colour", lambda f: COMPLEMENT[f["colour"]]),
+    "shape_name": ("shape", lambda f: f["kind"]),
+    "count_digits": ("count", lambda f: str(f["n"])),
+    "count_words": ("count", lambda f: NUMBER_WORDS[f["n"]]),
+    "side_left_right": ("side", lambda f: f["side"]),
+    "side_mirrored": ("side", lambda f: _OTHER_SIDE[f["side"]]),
+    "colour_yes_no": ("colour_check", lambda f: "yes" if f["match"] else "no"),
+    "colour_yes_no_flipped": ("colour_check", lambda f: "no" if f["match"] else "yes"),
+    "vertical_position": ("vertical", lambda f: f["where"]),
+    "read_word": ("read_word", lambda f: f["word"]),
+    "caption": ("caption", lambda f: f"A {f['size']} {f['colour']} {f['kind']} on the {f['side']}."),
+    "bigger_side": ("bigger", lambda f: f["side"]),
+    "add_digits": ("add", lambda f: str(f["value"])),
+    "add_words": ("add", lambda f: NUMBER_WORDS[f["value"]]),
+    "subtract": ("subtract", lambda f: str(f["value"])),
+    "reverse_word": ("reverse", lambda f: f["word"][::-1]),
+    "uppercase": ("upper", lambda f: f["word"].upper()),
+}
+
+# Pairs built to conflict: same family (same inputs), opposite answer conventions.
+CONFLICTS: tuple[tuple[str, str], ...] = (
+    ("colour_name", "colour_complement"),
+    ("count_digits", "count_words"),
+    ("side_left_right", "side_mirrored"),
+    ("colour_yes_no", "colour_yes_no_flipped"),
+    ("add_digits", "add_words"),
+)
+
+
+def make_example(source: str, index: int, seed: int, image_size: int) -> Example:
+    family, answer = SOURCES[source]
+    rng = random.Random(f"{seed}/{family}/{index}")
+    scene, question, facts = FAMILIES[family](rng, image_size)
+    user = [{"type": "image"}] if scene else []
+    user.append({"type": "text", "text": question})
+    messages = [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": [{"type": "text", "text": answer(facts)}]},
+    ]
+    return Example(source, index, f"builtin:{source}", messages, [scene] if scene else [])
+
+
+def generate(tasks: list[str] | None, cfg: BuiltinSection, seed: int) -> dict[str, list[Example]]:
+    """All (or the selected) built-in sources, ``cfg.examples_per_source`` examples each."""
+    names = tasks or list(SOURCES)
+    unknown = sorted(set(names) - set(SOURCES))
+    if unknown:
+        raise ValueError(f"unknown built-in tasks {unknown}; known: {sorted(SOURCES)}")
+    return {
+        name: [make_example(name, i, seed, cfg.image_size) for i in range(cfg.examples_per_source)]
+        for name in names
+    }
+
+
+def corpus_text(seed: int, per_source: int = 64) -> Iterator[str]:
+    """Text the offline tokenizer is trained on: built-in questions and answers plus the
+    vocabulary every answer convention uses, independent of the data config."""
+    yield " ".join([*COLOURS, *SHAPES, *NUMBER_WORDS, *WORDS, *(w.upper() for w in WORDS)])
+    for source in SOURCES:
+        for i in range(per_source):
+            example = make_example(source, i, seed, image_size=28)
+            for message in example.messages:
+                yield from (c["text"] for c in message["content"] if c["type"] == "text")

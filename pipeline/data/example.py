@@ -1,0 +1,62 @@
+"""The one in-memory form every loader produces: an :class:`Example` in Qwen message format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from PIL import Image, UnidentifiedImageError
+
+# An image is a file path, an already decoded PIL image (datasets on disk), or a zero-argument
+# callable that renders one (the built-in corpus draws its images only when they are encoded).
+ImageRef = Union[Path, Image.Image, Callable[[], Image.Image]]
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (or source) and the record index."""
+
+    def __init__(self, origin: str, index: int | None, problem: str):
+        self.origin, self.index, self.problem = origin, index, problem
+        where = f"{origin} record {index}" if index is not None else origin
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass
+class Example:
+    """One conversation. ``messages`` follow the Qwen chat format with content lists; image
+    items are ``{"type": "image"}`` placeholders filled, in order, from ``images``."""
+
+    source: str
+    index: int  # position of the record in its file (for error messages)
+    origin: str  # file (or generator) the record came from
+    messages: list[dict[str, Any]]
+    images: list[ImageRef] = field(default_factory=list)
+    token_ids: Any = None  # tensor of input ids cached by ``prepare``; None until attached
+
+    def error(self, problem: str) -> DataError:
+        return DataError(self.origin, self.index, problem)
+
+    def load_images(self) -> list[Image.Image]:
+        return [self._open(ref) for ref in self.images]
+
+    def _open(self, ref: ImageRef) -> Image.Image:
+        if isinstance(ref, Image.Image):
+            return ref.convert("RGB")
+        if callable(ref):
+            return ref()
+        try:
+            with Image.open(ref) as img:
+                return img.convert("RGB")
+        except (OSError, UnidentifiedImageError) as err:
+            raise self.error(f"unreadable image {ref}: {err}") from err
+
+    def answer(self) -> str:
+        """Text of the last assistant turn: the exact target used for held-out accuracy."""
+        for message in reversed(self.messages):
+            if message["role"] == "assistant":
+                return "".join(c["text"] for c in message["content"] if c["type"] == "text")
+        raise self.error("no assistant turn")

@@ -1,0 +1,144 @@
+"""The ``prepare`` stage: load every source, hold out a seeded split, encode everything once to
+count tokens (and surface every bad record before any training starts), write the manifest.
+
+``data/manifest.json`` per source: format, examples, held-out indices, train/held-out tokens,
+supervised tokens, truncated and skipped counts. Train tokens are the token-weighted merge's
+weights and the split planner's balance. The token ids themselves are kept in
+``data/tokens/<n>.safetensors`` (concatenated ids + offsets) so that later stages encode only
+images; :func:`load_split` attaches them to the examples it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from pipeline.checkpoint import write_json_atomic
+from pipeline.config import RunConfig
+from pipeline.data.encode import Encoder
+from pipeline.data.example import Example
+from pipeline.data.sources import load_sources
+
+MANIFEST_PATH = Path("data") / "manifest.json"
+TOKENS_DIR = Path("data") / "tokens"
+ENCODE_BATCH = 32
+SKIPPED_SHOWN = 5  # reasons kept per source in the manifest; the count is always exact
+
+
+def heldout_indices(n: int, fraction: float, seed: int, source: str) -> list[int]:
+    """A seeded choice of held-out positions; at least one when the fraction is positive,
+    never all of them (a source must keep something to train on)."""
+    if fraction <= 0 or n < 2:
+        return []
+    k = min(max(1, round(fraction * n)), n - 1)
+    return sorted(random.Random(f"{seed}/heldout/{source}").sample(range(n), k))
+
+
+def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool = False) -> dict[str, Any]:
+    """Write ``run_dir/data/manifest.json``; reuse it when the data and model sections match."""
+    path = Path(run_dir) / MANIFEST_PATH
+    digest = cfg.digest("data", "model")
+    if path.is_file() and not force:
+        manifest = json.loads(path.read_text())
+        if manifest.get("config_digest") == digest:
+            return manifest
+    loaded = load_sources(cfg.data, cfg.run.seed)
+    encoder = Encoder(processor, cfg.data.max_length)
+    fractions = {spec.name: spec.heldout_fraction for spec in cfg.data.sources}
+    total = sum(len(v) for v in loaded.examples.values())
+    sources = {}
+    with tqdm(total=total, desc="prepare: encoding", unit="ex", leave=False) as bar:
+        for number, (name, examples) in enumerate(loaded.examples.items()):
+            fraction = fractions.get(name)
+            fraction = cfg.data.heldout_fraction if fraction is None else fraction
+            heldout = heldout_indices(len(examples), fraction, cfg.run.seed, name)
+            tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
+            sources[name] = _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file) | {
+                "tokens_file": str(tokens_file),
+                "format": loaded.formats[name],
+                "origin": examples[0].origin,
+                "heldout_indices": heldout,
+                "skipped": len(loaded.skipped.get(name, [])),
+                "skipped_reasons": loaded.skipped.get(name, [])[:SKIPPED_SHOWN],
+            }
+    for name, reasons in loaded.skipped.items():  # sources dropped whole (empty after skipping)
+        if name not in sources:
+            sources[name] = {"dropped": True, "skipped": len(reasons), "skipped_reasons": reasons[:SKIPPED_SHOWN]}
+    manifest = {"config_digest": digest, "max_length": cfg.data.max_length, "sources": sources}
+    write_json_atomic(path, manifest)
+    return manifest
+
+
+def _encode_source(examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path) -> dict[str, int]:
+    """Encode one source in batches: count its tokens and cache its token ids."""
+    counts = dict.fromkeys(("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0)
+    encoded = (enc for i in range(0, len(examples), ENCODE_BATCH) for enc in encoder.encode_batch(examples[i : i + ENCODE_BATCH]))
+    ids = []
+    for position, enc in enumerate(encoded):
+        ids.append(enc.input_ids.to(torch.int32))
+        split = "heldout" if position in heldout else "train"
+        counts["examples"] += 1
+        counts[f"{split}_tokens"] += enc.num_tokens
+        if split == "train":
+            counts["train_examples"] += 1
+            counts["supervised_tokens"] += enc.num_supervised
+        counts["truncated"] += enc.truncated
+        bar.update()
+    _save_token_ids(ids, tokens_path)
+    return counts
+
+
+def _save_token_ids(ids: list[torch.Tensor], path: Path) -> None:
+    offsets = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0).tolist()], dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"input_ids": torch.cat(ids), "offsets": offsets}, str(tmp))
+    tmp.replace(path)
+
+
+def _load_token_ids(path: Path) -> list[torch.Tensor]:
+    tensors = load_file(str(path))
+    bounds = tensors["offsets"].tolist()
+    return [tensors["input_ids"][a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_PATH
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no data manifest; run `merit prepare` first")
+    return json.loads(path.read_text())
+
+
+def active_sources(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: info for name, info in manifest["sources"].items() if not info.get("dropped")}
+
+
+def load_split(cfg: RunConfig, run_dir: str | Path, split: str, sources: list[str] | None = None) -> dict[str, list[Example]]:
+    """The ``train`` or ``heldout`` examples of each (or the named) source, as prepared, with
+    their cached token ids attached."""
+    manifest = read_manifest(run_dir)
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    known = active_sources(manifest)
+    wanted = sources or list(known)
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise ValueError(f"unknown sources {unknown}; prepared: {sorted(known)}")
+    loaded = load_sources(cfg.data, cfg.run.seed)
+    out = {}
+    for name in wanted:
+        held = set(known[name]["heldout_indices"])
+        examples = loaded.examples[name]
+        token_ids = _load_token_ids(Path(run_dir) / known[name]["tokens_file"])
+        if len(token_ids) != len(examples):
+            raise ValueError(f"source '{name}': {len(examples)} examples but {len(token_ids)} cached; re-run prepare")
+        for example, ids in zip(examples, token_ids):
+            example.token_ids = ids
+        out[name] = [ex for pos, ex in enumerate(examples) if (pos in held) == (split == "heldout")]
+    return out

@@ -1,0 +1,102 @@
+"""Config source entries -> named sources of :class:`Example`, with the bad-record policy applied."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DataSection, SourceSpec
+from pipeline.data import builtin
+from pipeline.data.example import DataError, Example
+from pipeline.data.formats import RecordParser, read_hf_disk_records, read_json_records, read_jsonl_records
+
+
+@dataclass
+class LoadedSources:
+    examples: dict[str, list[Example]] = field(default_factory=dict)
+    formats: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source -> reasons
+
+    def add(self, name: str, fmt: str, examples: list[Example]) -> None:
+        if name in self.examples:
+            raise ValueError(f"two config entries produce a source named '{name}'")
+        self.examples[name], self.formats[name] = examples, fmt
+
+
+class _Policy:
+    """``on_bad_record``: ``error`` re-raises the DataError, ``skip`` records it and goes on."""
+
+    def __init__(self, mode: str, loaded: LoadedSources):
+        self.mode, self.loaded = mode, loaded
+
+    def parse_all(self, parser: RecordParser, records: Iterable[tuple[int, Any]], limit: int | None) -> list[Example]:
+        examples = []
+        for index, raw in records:
+            if limit is not None and len(examples) >= limit:
+                break
+            try:
+                examples.append(parser.parse(index, raw))
+            except DataError as err:
+                self.reject(parser.source, err)
+        return examples
+
+    def reject(self, source: str, err: DataError) -> None:
+        if self.mode == "error":
+            raise err
+        self.loaded.skipped[source].append(str(err))
+
+
+def load_sources(data: DataSection, seed: int) -> LoadedSources:
+    loaded = LoadedSources()
+    policy = _Policy(data.on_bad_record, loaded)
+    for spec in data.sources:
+        for name, examples in _load_entry(spec, data, seed, policy).items():
+            if not examples:
+                policy.reject(name, DataError(spec.path or f"builtin:{name}", None, f"source '{name}' has no examples"))
+                continue
+            loaded.add(name, spec.format, examples)
+    if not loaded.examples:
+        raise DataError("config data.sources", None, "no source has any example")
+    return loaded
+
+
+def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy) -> dict[str, list[Example]]:
+    if spec.format == "builtin":
+        generated = builtin.generate(spec.tasks, data.builtin, seed)
+        return {name: examples[: spec.max_examples] for name, examples in generated.items()}
+    path = Path(spec.path)
+    if not path.exists():
+        raise DataError(str(path), None, f"source '{spec.name}': file not found")
+    images_dir = Path(spec.images_dir) if spec.images_dir else (path if path.is_dir() else path.parent)
+    if spec.format == "vision_flan":
+        return _load_vision_flan(spec, path, images_dir, policy)
+    readers = {
+        "llava": lambda: enumerate(read_json_records(path)),
+        "sharegpt": lambda: enumerate(read_json_records(path)),
+        "jsonl": lambda: read_jsonl_records(path),
+        "hf_disk": lambda: enumerate(read_hf_disk_records(path)),
+    }
+    parser = RecordParser(spec.name, path, images_dir)
+    return {spec.name: policy.parse_all(parser, readers[spec.format](), spec.max_examples)}
+
+
+def _load_vision_flan(spec: SourceSpec, path: Path, images_dir: Path, policy: _Policy) -> dict[str, list[Example]]:
+    """One annotation file, one source per ``task_name`` (optionally only ``spec.tasks``)."""
+    by_task: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+    for index, raw in enumerate(read_json_records(path)):
+        task = raw.get("task_name") if isinstance(raw, dict) else None
+        if not isinstance(task, str) or not task:
+            policy.reject(spec.name, DataError(str(path), index, "Vision-FLAN record without 'task_name'"))
+            continue
+        by_task[task].append((index, raw))
+    wanted = spec.tasks or sorted(by_task)
+    missing = sorted(set(wanted) - set(by_task))
+    if missing:
+        raise DataError(str(path), None, f"tasks not in the annotation file: {missing}")
+    return {
+        task: policy.parse_all(RecordParser(task, path, images_dir), by_task[task], spec.max_examples)
+        for task in wanted
+    }

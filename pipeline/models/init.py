@@ -1,0 +1,60 @@
+"""The ``init`` stage: θ0, the shared start every branch trains from.
+
+``model.name_or_path: tiny`` builds the offline model into ``run_dir/init`` (a checkpoint with
+a manifest). Any other value names a Hugging Face id or a local folder, used in place: θ0 is
+the base model itself, nothing is copied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_checkpoint
+from pipeline.config import RunConfig
+from pipeline.models.loading import count_parameters, load_processor
+from pipeline.models.tiny import build_tiny_model, build_tiny_processor
+
+INIT_DIR = "init"
+
+
+def is_tiny(cfg: RunConfig) -> bool:
+    return cfg.model.name_or_path == "tiny"
+
+
+def init_path(cfg: RunConfig, run_dir: str | Path) -> str:
+    """Where θ0 lives: the run's ``init/`` for the tiny model, else the configured model."""
+    return str(Path(run_dir) / INIT_DIR) if is_tiny(cfg) else cfg.model.name_or_path
+
+
+def processor_for(cfg: RunConfig, run_dir: str | Path | None = None) -> Any:
+    """The processor of θ0, without building or loading any weights."""
+    if is_tiny(cfg):
+        init = Path(run_dir) / INIT_DIR if run_dir else None
+        if init is not None and is_complete(init):
+            return load_processor(init, cfg.model)
+        return build_tiny_processor(cfg.model, cfg.run.seed)
+    return load_processor(cfg.model.name_or_path, cfg.model)
+
+
+def init_model(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict[str, Any]:
+    """Make θ0 available; returns a small summary (path, parameter counts)."""
+    path = init_path(cfg, run_dir)
+    if is_tiny(cfg):
+        digest = cfg.digest("model", "run")
+        if force or not (is_complete(path) and read_manifest(path).get("config_digest") == digest):
+            model, processor = build_tiny_model(cfg.model, cfg.run.seed)
+            params = count_parameters(model)
+            save_pretrained_checkpoint(path, model, processor, step=0, tokens_seen=0, parent=None,
+                                       config_digest=digest, parameters=params)
+        params = read_manifest(path)["parameters"]
+    else:
+        # Parameter counts from the config alone: a meta-device model allocates no memory.
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        params = count_parameters(model)
+    return {"path": path, "parameters": params}

@@ -1,0 +1,76 @@
+"""Load any Qwen2.5-VL checkpoint (hub id or local folder) the same way, and freeze parts of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from pipeline.checkpoint import MANIFEST, verify_checkpoint
+from pipeline.config import FreezeSection, ModelSection
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def pixel_bounds(model_cfg: ModelSection) -> dict[str, int]:
+    """Image size bounds in the form transformers 5 processors take (area in pixels)."""
+    return {"shortest_edge": model_cfg.min_pixels, "longest_edge": model_cfg.max_pixels}
+
+
+def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
+    return AutoProcessor.from_pretrained(
+        str(name_or_path),
+        size=pixel_bounds(model_cfg),
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+
+
+def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
+    """``AutoModelForImageTextToText`` with the config's dtype and attention implementation.
+
+    A local folder written by this project carries a manifest: it is verified first, so a
+    corrupt or half-copied checkpoint fails here with the file named, not deep in a forward.
+    """
+    if (Path(name_or_path) / MANIFEST).is_file():
+        verify_checkpoint(name_or_path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(name_or_path),
+        dtype=DTYPES[model_cfg.dtype],
+        attn_implementation=model_cfg.attn_implementation,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    apply_freeze(model, model_cfg.freeze)
+    return model
+
+
+def parameter_groups(model: Any) -> dict[str, list[torch.nn.Parameter]]:
+    """Qwen2.5-VL's parts under the names users know: vision tower (without the merger),
+    multi-modal projector (the vision ``merger``), language model (blocks, embeddings, head)."""
+    visual = model.model.visual
+    merger = {id(p) for p in visual.merger.parameters()}
+    return {
+        "vision_tower": [p for p in visual.parameters() if id(p) not in merger],
+        "multi_modal_projector": list(visual.merger.parameters()),
+        "language_model": [*model.model.language_model.parameters(), *model.lm_head.parameters()],
+    }
+
+
+def apply_freeze(model: Any, freeze: FreezeSection) -> None:
+    groups = parameter_groups(model)
+    for group, frozen in (
+        ("vision_tower", freeze.freeze_vision_tower),
+        ("multi_modal_projector", freeze.freeze_multi_modal_projector),
+        ("language_model", freeze.freeze_language_model),
+    ):
+        for param in groups[group]:
+            param.requires_grad_(not frozen)
+
+
+def count_parameters(model: Any) -> dict[str, int]:
+    unique = {id(p): p for p in model.parameters()}.values()  # tied weights counted once
+    return {
+        "total": sum(p.numel() for p in unique),
+        "trainable": sum(p.numel() for p in unique if p.requires_grad),
+    }

@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny offline Qwen2.5-VL on disk and helpers that write small data files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.models import init_model, load_processor  # noqa: E402
+
+
+def small_config(*overrides: str) -> RunConfig:
+    return load_config(None, ["data.builtin.examples_per_source=12", *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> tuple[RunConfig, Path]:
+    """A run directory holding θ0 (the tiny model) built once per test session."""
+    cfg = small_config()
+    run_dir = tmp_path_factory.mktemp("run")
+    init_model(cfg, run_dir)
+    return cfg, run_dir
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_run):
+    cfg, run_dir = tiny_run
+    return load_processor(run_dir / "init", cfg.model)
+
+
+def write_image(path: Path, colour=(255, 0, 0), size=(64, 48)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def write_json(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def llava_record(image: str | None = "a.png", answer: str = "red") -> dict:
+    prompt = "<image>\nWhat colour is it?" if image else "What is 1 + 1?"
+    record = {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}
+    if image:
+        record["image"] = image
+    return record

@@ -1,0 +1,45 @@
+import pytest
+
+from pipeline.checkpoint import CheckpointError, is_complete, staged_dir, verify_checkpoint, write_manifest
+
+
+def test_staged_dir_is_all_or_nothing(tmp_path):
+    dst = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with staged_dir(dst) as tmp:
+            (tmp / "weights.bin").write_bytes(b"half")
+            raise RuntimeError("killed mid-write")
+    assert not dst.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_staged_dir_replaces_an_existing_checkpoint(tmp_path):
+    dst = tmp_path / "ckpt"
+    for payload in (b"old", b"new"):
+        with staged_dir(dst) as tmp:
+            (tmp / "weights.bin").write_bytes(payload)
+            write_manifest(tmp, step=len(payload))
+    assert (dst / "weights.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_manifest_detects_corruption_and_missing_files(tmp_path):
+    with staged_dir(tmp_path / "c") as tmp:
+        (tmp / "a.bin").write_bytes(b"0123456789")
+        write_manifest(tmp, step=3)
+    assert verify_checkpoint(tmp_path / "c")["step"] == 3
+    (tmp_path / "c" / "a.bin").write_bytes(b"01234")  # truncated
+    with pytest.raises(CheckpointError, match="a.bin"):
+        verify_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "a.bin").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        verify_checkpoint(tmp_path / "c")
+    assert not is_complete(tmp_path / "nothing-here")
+
+
+def test_next_writer_removes_leftovers_of_a_killed_writer(tmp_path):
+    (tmp_path / ".ckpt.tmp-1234abcd").mkdir()  # what a SIGKILL mid-write leaves
+    (tmp_path / "other").mkdir()
+    with staged_dir(tmp_path / "ckpt") as tmp:
+        write_manifest(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "other"]

@@ -1,0 +1,98 @@
+"""Each loader on small fixture files written here."""
+
+import json
+
+import datasets
+import pytest
+from PIL import Image
+
+from conftest import llava_record, small_config, write_image, write_json
+from pipeline.data import load_sources
+
+
+def load(tmp_path, *sources, **data):
+    overrides = [f"data.sources={json.dumps(list(sources))}"] + [f"data.{k}={v}" for k, v in data.items()]
+    return load_sources(small_config(*overrides).data, seed=0)
+
+
+def test_llava_json(tmp_path):
+    write_image(tmp_path / "imgs" / "a.png")
+    path = write_json(tmp_path / "llava.json", [llava_record("a.png"), llava_record(None, "2")])
+    loaded = load(tmp_path, {"name": "l", "format": "llava", "path": str(path), "images_dir": str(tmp_path / "imgs")})
+    first, second = loaded.examples["l"]
+    assert first.messages == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+    ]
+    assert first.images == [(tmp_path / "imgs" / "a.png").resolve()]
+    assert first.load_images()[0].size == (64, 48)
+    assert second.images == [] and second.answer() == "2"
+
+
+def test_sharegpt_json_with_system_turn_and_two_images(tmp_path):
+    write_image(tmp_path / "x.png")
+    write_image(tmp_path / "sub" / "y.png", (0, 0, 255))
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "<image><image>Which is blue?"},
+            {"role": "assistant", "content": "the second"},
+        ],
+        "images": ["x.png", "sub/y.png"],
+    }
+    path = write_json(tmp_path / "sg.json", [record])
+    (example,) = load(tmp_path, {"name": "s", "format": "sharegpt", "path": str(path)}).examples["s"]
+    assert [m["role"] for m in example.messages] == ["system", "user", "assistant"]
+    assert example.messages[1]["content"] == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is blue?"}]
+    assert [img.getpixel((0, 0)) for img in example.load_images()] == [(255, 0, 0), (0, 0, 255)]
+
+
+def test_vision_flan_one_source_per_task(tmp_path):
+    write_image(tmp_path / "images" / "p.png")
+    records = [
+        {"id": str(i), "task_name": task, "image": "p.png",
+         "conversations": [{"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": task}]}
+        for i, task in enumerate(["ocr", "vqa", "ocr", "caption"])
+    ]  # fmt: skip
+    path = write_json(tmp_path / "annotation_191-task_1k.json", records)
+    spec = {"name": "vflan", "format": "vision_flan", "path": str(path), "images_dir": str(tmp_path / "images")}
+    loaded = load(tmp_path, spec)
+    assert sorted(loaded.examples) == ["caption", "ocr", "vqa"]
+    assert [ex.index for ex in loaded.examples["ocr"]] == [0, 2]
+    only = load(tmp_path, {**spec, "tasks": ["vqa"]})
+    assert list(only.examples) == ["vqa"] and only.examples["vqa"][0].answer() == "vqa"
+
+
+def test_jsonl_mixes_record_shapes_and_caps_examples(tmp_path):
+    write_image(tmp_path / "a.png")
+    lines = [llava_record("a.png"), {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines * 3) + "\n\n")
+    loaded = load(tmp_path, {"name": "j", "format": "jsonl", "path": str(path), "max_examples": 4})
+    assert [ex.answer() for ex in loaded.examples["j"]] == ["red", "hello", "red", "hello"]
+
+
+def test_datasets_saved_to_disk_with_decoded_images(tmp_path):
+    ds = datasets.Dataset.from_dict(
+        {
+            "messages": [[{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "green"}]],
+            "images": [[Image.new("RGB", (32, 32), (0, 255, 0))]],
+        },
+        features=datasets.Features(
+            {
+                "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+                "images": datasets.Sequence(datasets.Image()),
+            }
+        ),
+    )
+    ds.save_to_disk(tmp_path / "ds")
+    (example,) = load(tmp_path, {"name": "h", "format": "hf_disk", "path": str(tmp_path / "ds")}).examples["h"]
+    assert example.answer() == "green"
+    assert example.load_images()[0].getpixel((3, 3)) == (0, 255, 0)
+
+
+def test_builtin_task_selection(tmp_path):
+    loaded = load(tmp_path, {"name": "b", "format": "builtin", "tasks": ["add_digits", "caption"], "max_examples": 3})
+    assert {k: len(v) for k, v in loaded.examples.items()} == {"add_digits": 3, "caption": 3}
+    with pytest.raises(ValueError, match="unknown built-in tasks"):
+        load(tmp_path, {"name": "b", "format": "builtin", "tasks": ["nope"]})
