@@ -71,14 +71,16 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
         tmp.rename(dst)
 
 
-def write_manifest(folder: str | Path, **meta: Any) -> dict[str, Any]:
-    """Hash every file in ``folder`` and write ``manifest.json`` beside them."""
+def write_manifest(folder: str | Path, known_hashes: dict[str, str] | None = None, **meta: Any) -> dict[str, Any]:
+    """Hash every file in ``folder`` (except those whose sha256 the writer already computed
+    while writing them) and write ``manifest.json`` beside them."""
     folder = Path(folder)
-    files = {
-        str(p.relative_to(folder)): sha256_file(p)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+    known = known_hashes or {}
+    files = {}
+    for p in sorted(folder.rglob("*")):
+        name = str(p.relative_to(folder))
+        if p.is_file() and p.name != MANIFEST:
+            files[name] = known[name] if name in known else sha256_file(p)
     manifest = {**meta, "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
     return manifest

@@ -10,6 +10,8 @@ from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config, save_config
 from pipeline.data.example import DataError
+from pipeline.merge.io import MergeInputError
+from pipeline.merge.spec import MergeSpecError
 
 RESOLVED_CONFIG = "config.yaml"
 
@@ -74,10 +76,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"run directory: {resolve_run(args)[1]}")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from pipeline.bench import data as bench_data
+def cmd_merge(args: argparse.Namespace) -> None:
+    from pipeline.merge import MergeSpec, merge_checkpoints
 
-    {"data": bench_data.main}[args.what](args)
+    spec = MergeSpec.from_yaml(args.spec)
+    overrides = {"out_path": args.out_path, "device": args.device}
+    spec = spec.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    report = merge_checkpoints(spec)
+    counts = ", ".join(f"{m}: {n}" for m, n in report.summary()["method_counts"].items())
+    print(f"merged {report.tensors} tensors ({counts}) into {report.out_path}")
+    print(f"read {report.bytes_read / 1e6:,.1f} MB in {report.total_seconds:.2f} s "
+          f"(read {report.read_seconds:.2f} s, compute {report.compute_seconds:.2f} s, write {report.write_seconds:.2f} s)")  # fmt: skip
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import importlib
+
+    importlib.import_module(f"pipeline.bench.{args.what}").main(args)
 
 
 def add_run_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,12 +113,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the offline default: init and prepare, then print the summary")
     add_run_options(demo).set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks that print figures")
-    bench.add_argument("what", choices=["data"], help="what to measure")
-    add_run_options(bench).set_defaults(func=cmd_bench)
+    merge = sub.add_parser("merge", help="merge checkpoints as a mergekit-like YAML spec says")
+    merge.add_argument("spec", help="merge spec YAML (base_model, models, method or rules, out_path, ...)")
+    merge.add_argument("--out-path", help="override the spec's out_path")
+    merge.add_argument("--device", choices=["cpu", "cuda"], help="override the spec's device")
+    merge.set_defaults(func=cmd_merge)
+
+    benches = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="what", required=True)
+    bench = add_run_options(benches.add_parser("data", help="encoding rate vs the tiny model's training rate"))
     bench.add_argument("--examples", type=int, default=1024, help="examples to encode")
     bench.add_argument("--steps", type=int, default=10, help="training steps timed for the reference rate")
     bench.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    bench = benches.add_parser("merge", help="merge throughput per method beside the streaming floor")
+    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
+    bench.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
+    bench.add_argument("--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
+    bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+    for bench in benches.choices.values():
+        bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -112,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, MergeInputError, MergeSpecError) as err:
         print(f"merit: error: {err}", file=sys.stderr)
         return 2
     return 0

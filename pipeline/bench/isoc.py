@@ -1,0 +1,67 @@
+"""``merit bench isoc``: Iso-C's exact SVD path vs the Newton–Schulz path, time and relative
+error against exact Iso-C, on 1024², 2048² and 2048×5632 fp32 matrices with three spectra:
+Gaussian (Marchenko–Pastur, a noise-like update), σ_i ∝ i^-0.5 and σ_i ∝ 1/i (steep, like
+accumulated pseudo-gradients). Newton–Schulz runs with both scale estimates, in full fp32 and,
+on a GPU, also with TF32 matmuls (``torch.backends.cuda.matmul.allow_tf32``)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pipeline.merge.linalg import iso
+
+SHAPES = ((1024, 1024), (2048, 2048), (2048, 5632))
+SPECTRA = ("gaussian", "power0.5", "power1")
+
+
+def spectrum_matrix(m: int, n: int, spectrum: str, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    if spectrum == "gaussian":
+        return torch.randn(m, n, generator=g, device=device)
+    r = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, r, generator=g, device=device))
+    v, _ = torch.linalg.qr(torch.randn(n, r, generator=g, device=device))
+    power = float(spectrum.removeprefix("power"))
+    return (u * torch.arange(1, r + 1, device=device).float() ** -power) @ v.T
+
+
+def timed(fn, device: str, repeats: int) -> tuple[float, torch.Tensor]:
+    out = fn()  # warm-up (kernels, workspaces)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def main(args: argparse.Namespace) -> None:
+    device = args.device
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"Iso-C orthogonalisation on {name}, fp32, median of {args.repeats}")
+    tf32 = device == "cuda"
+    print(f"{'shape':>11} {'spectrum':>9} {'svd s':>8} {'NS s':>8} {'speed-up':>8} {'err inner':>10} {'err rms':>8}"
+          + (f" {'NS tf32 s':>9} {'speed-up':>8} {'err tf32':>9}" if tf32 else ""))  # fmt: skip
+    for m, n in SHAPES:
+        for spectrum in SPECTRA:
+            matrix = spectrum_matrix(m, n, spectrum, device)
+            svd_s, exact = timed(lambda: iso(matrix, "svd"), device, args.repeats)
+            ns_s, fast = timed(lambda: iso(matrix, "newton_schulz", "inner"), device, args.repeats)
+            rms = iso(matrix, "newton_schulz", "rms")
+            err = float((fast - exact).norm() / exact.norm())
+            err_rms = float((rms - exact).norm() / exact.norm())
+            line = f"{m:>5}x{n:<5} {spectrum:>9} {svd_s:8.3f} {ns_s:8.3f} {svd_s / ns_s:7.1f}x {err:10.2e} {err_rms:8.3f}"
+            if tf32:
+                torch.backends.cuda.matmul.allow_tf32 = True
+                tf32_s, approx = timed(lambda: iso(matrix, "newton_schulz", "inner"), device, args.repeats)
+                torch.backends.cuda.matmul.allow_tf32 = False
+                line += f" {tf32_s:9.4f} {svd_s / tf32_s:7.1f}x {float((approx - exact).norm() / exact.norm()):9.2e}"
+            print(line)

@@ -1,0 +1,228 @@
+"""Lazy, shard-by-shard tensor IO for ``save_pretrained`` folders (or single safetensors files).
+
+:class:`CheckpointReader` opens safetensors files with ``safe_open`` (memory-mapped, headers
+only) and reads one tensor at a time. :class:`ShardedWriter` plans the output shards from the
+tensor names, shapes and dtypes before any tensor is computed, writes each shard's header
+first and then every tensor's bytes as it is produced, so the writer holds one tensor at a
+time whatever the shard size. Nothing here unpickles: only safetensors is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import queue
+import shutil
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class MergeInputError(ValueError):
+    """An input that cannot be merged; the message names the file or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class CheckpointReader:
+    """Tensor names, shapes and dtypes from the headers; tensor data on demand."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.files = self._weight_files()
+        self._handles: dict[Path, object] = {}
+        self.location: dict[str, Path] = {}
+        self.info: dict[str, TensorInfo] = {}
+        for file in self.files:
+            handle = self._open(file)
+            for name in handle.keys():
+                if name in self.location:
+                    raise MergeInputError(f"{file}: tensor {name} also stored in {self.location[name]}")
+                view = handle.get_slice(name)
+                self.location[name] = file
+                self.info[name] = TensorInfo(tuple(view.get_shape()), DTYPES[view.get_dtype()])
+
+    def _weight_files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        if (self.path / INDEX).is_file():
+            try:
+                weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise MergeInputError(f"{self.path / INDEX}: not a safetensors index ({err})") from err
+            return [self.path / name for name in sorted(set(weight_map.values()))]
+        if (self.path / SINGLE).is_file():
+            return [self.path / SINGLE]
+        found = sorted(self.path.glob("*.safetensors"))
+        if not found:
+            raise MergeInputError(f"{self.path}: no safetensors weights (pickled .bin files are refused)")
+        return found
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as err:
+                raise MergeInputError(f"{file}: cannot read safetensors ({err}); corrupt or truncated?") from err
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.location[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err
+
+    def config(self) -> dict:
+        path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def aux_files(self) -> list[Path]:
+        """Files beside the weights that a loadable checkpoint needs (config, tokenizer,
+        processor, chat template, generation config), never weights or a manifest."""
+        if self.path.is_file():
+            return []
+        return sorted(p for p in self.path.iterdir() if p.is_file() and p.name != "manifest.json"
+                      and not p.name.endswith(WEIGHT_SUFFIXES))  # fmt: skip
+
+
+def plan_shards(tensors: dict[str, TensorInfo], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, order-preserving packing of tensors into shards under ``max_shard_bytes``
+    (a single tensor larger than the limit gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, info in tensors.items():
+        if shards[-1] and size + info.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += info.nbytes
+    return shards
+
+
+class ShardedWriter:
+    """Writes planned shards into ``folder``; tensors must arrive in planned order.
+
+    Bytes are written and hashed (sha256, for the manifest) by a background thread, so disk
+    writes and hashing overlap the next tensor's merge; at most two tensors wait in the queue.
+    """
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorInfo], max_shard_bytes: int, metadata: dict | None = None):
+        self.folder, self.tensors = folder, tensors
+        self.shards = plan_shards(tensors, max_shard_bytes)
+        n = len(self.shards)
+        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.order = [name for shard in self.shards for name in shard]
+        self._shard_starts = {shard[0]: i for i, shard in enumerate(self.shards)}
+        self._next = 0
+        self.bytes_written = 0
+        self.sha256: dict[str, str] = {}
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._raise_worker_error()
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise RuntimeError(f"writer expected tensor {expected}, got {name}")
+        info = self.tensors[name]
+        if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+            raise RuntimeError(f"{name}: planned {info.shape} {info.dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+        self._queue.put((name, tensor.detach()))
+        self._next += 1
+
+    def _drain(self) -> None:
+        file: BinaryIO | None = None
+        digest = None
+        try:
+            while (item := self._queue.get()) is not None:
+                name, tensor = item
+                if name in self._shard_starts:
+                    if file is not None:
+                        file.close()
+                        self.sha256[Path(file.name).name] = digest.hexdigest()
+                    file, digest = self._open_shard(self._shard_starts[name])
+                data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                file.write(data.data)
+                digest.update(data.data)
+                self.bytes_written += data.nbytes
+            if file is not None:
+                file.close()
+                self.sha256[Path(file.name).name] = digest.hexdigest()
+        except BaseException as err:  # surfaced in the caller's thread by write() / close()
+            self._error = err
+            while self._queue.get() is not None:  # unblock the producer until it stops
+                pass
+
+    def _open_shard(self, index: int) -> tuple[BinaryIO, object]:
+        header, offset = {"__metadata__": self.metadata}, 0
+        for name in self.shards[index]:
+            info = self.tensors[name]
+            header[name] = {"dtype": CODES[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+            offset += info.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data start to 8 bytes
+        prefix = struct.pack("<Q", len(encoded)) + encoded
+        file = open(self.folder / self.names[index], "wb")
+        file.write(prefix)
+        return file, hashlib.sha256(prefix)
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.folder} failed: {self._error}") from self._error
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def close(self) -> list[str]:
+        """Wait for the writes to finish; write the index of a sharded checkpoint."""
+        self._stop()
+        self._raise_worker_error()
+        if self._next != len(self.order):
+            raise RuntimeError(f"writer closed after {self._next} of {len(self.order)} tensors")
+        if len(self.shards) > 1:
+            weight_map = {name: self.names[i] for i, shard in enumerate(self.shards) for name in shard}
+            total = sum(info.nbytes for info in self.tensors.values())
+            (self.folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        return self.names
+
+
+def copy_aux_files(files: Iterable[Path], folder: Path) -> None:
+    for file in files:
+        shutil.copy2(file, folder / file.name)

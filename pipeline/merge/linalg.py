@@ -1,0 +1,60 @@
+"""Orthogonalisation for the spectral methods (Iso-C, Iso-CTS, TSV).
+
+``polar(X)`` returns U Vᵀ for X = U S Vᵀ, the closest matrix with orthonormal columns/rows.
+Two ways:
+- ``svd``: exact, from ``torch.linalg.svd``.
+- ``newton_schulz``: iterations X ← a X + (b A + c A²) X with A = X Xᵀ after Frobenius
+  normalisation, a schedule of (a, b, c) steps. The default schedule is Muon's quintic
+  (3.4445, −4.7750, 2.0315) × 8, which lifts small singular values fast but leaves them in
+  ≈ [0.7, 1.2], followed by 4 cubic steps (1.5, −0.5, 0), which converge quadratically to
+  exactly 1 from there. Measured errors: README, ``merit bench isoc``.
+
+Iso(M) = mean(S) · U Vᵀ. With O = polar(M), mean(S) = ⟨M, U Vᵀ⟩ / min(m, n), so
+``scale="inner"`` uses ⟨M, O⟩ / min(m, n) (exact when O is); ``scale="rms"`` uses
+‖M‖_F / √min(m, n) = RMS(S), the cheaper proxy, which over-estimates mean(S) on steep spectra.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
+CUBIC = (1.5, -0.5, 0.0)
+DEFAULT_SCHEDULE: tuple[tuple[float, float, float], ...] = (MUON_QUINTIC,) * 8 + (CUBIC,) * 4
+
+Orthogonaliser = Literal["svd", "newton_schulz"]
+
+
+def newton_schulz(m: torch.Tensor, schedule=DEFAULT_SCHEDULE, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate polar factor of a 2-D matrix by Newton–Schulz iterations (fp32)."""
+    x = m.float()
+    wide = x.shape[0] <= x.shape[1]
+    if not wide:  # iterate on the smaller Gram matrix
+        x = x.T
+    x = x / (x.norm() + eps)
+    for a, b, c in schedule:
+        gram = x @ x.T
+        poly = b * gram + c * (gram @ gram) if c else b * gram
+        x = a * x + poly @ x
+    return x if wide else x.T
+
+
+def polar(m: torch.Tensor, method: Orthogonaliser = "svd", schedule=DEFAULT_SCHEDULE) -> torch.Tensor:
+    if method == "svd":
+        u, _, vh = torch.linalg.svd(m.float(), full_matrices=False)
+        return u @ vh
+    return newton_schulz(m, schedule)
+
+
+def iso(m: torch.Tensor, method: Orthogonaliser = "svd", scale: Literal["inner", "rms"] = "inner",
+        schedule=DEFAULT_SCHEDULE) -> torch.Tensor:  # fmt: skip
+    """mean(S) · U Vᵀ: the spectrum of ``m`` flattened to its mean (Iso-C's core)."""
+    rank = min(m.shape)
+    if method == "svd":
+        u, s, vh = torch.linalg.svd(m.float(), full_matrices=False)
+        return s.mean() * (u @ vh)
+    o = newton_schulz(m, schedule)
+    factor = (m.float() * o).sum() / rank if scale == "inner" else m.float().norm() / rank**0.5
+    return factor * o

@@ -1,0 +1,44 @@
+"""Iso-CTS (Marczak et al., ICML 2025), per 2-D tensor of shape (m, n), r = min(m, n):
+1. Common subspace: the top ⌊common · r⌋ singular directions of M = Σ_k w_k τ_k.
+2. Each task adds the top ⌊(r − common·r) / K⌋ directions of its residual (I − U_c U_cᵀ) w_k τ_k.
+3. Orthogonalise the concatenated left and right bases (polar factors), give every direction
+   the mean of all the concatenated singular values, reconstruct; θ = θ0 + α · that.
+Non-2-D tensors: weighted average.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from pipeline.merge.linalg import polar
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, weighted_mean
+
+
+class Params(MethodParams):
+    scale: float = 1.0  # α
+    common: float = Field(0.8, gt=0.0, le=1.0)  # fraction of the rank kept for the common subspace
+
+
+def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
+    mean = weighted_mean(task_vectors, weights)
+    if mean.dim() != 2:
+        return mean
+    rank = min(mean.shape)
+    n_common = max(1, int(params.common * rank))
+    per_task = (rank - n_common) // task_vectors.shape[0]
+    u, s, vh = torch.linalg.svd(mean, full_matrices=False)
+    us, ss, vs = [u[:, :n_common]], [s[:n_common]], [vh[:n_common].T]
+    if per_task > 0:
+        projector = us[0]
+        for w, tau in zip(weights.tolist(), task_vectors):
+            residual = w * tau - projector @ (projector.T @ (w * tau))
+            ut, st, vht = torch.linalg.svd(residual, full_matrices=False)
+            us.append(ut[:, :per_task])
+            ss.append(st[:per_task])
+            vs.append(vht[:per_task].T)
+    u_perp, v_perp = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
+    return params.scale * torch.cat(ss).mean() * (u_perp @ v_perp.T)
+
+
+METHOD = register(MergeMethod("iso_cts", Params, merge=merge, aliases=("isocts",)))

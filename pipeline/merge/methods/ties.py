@@ -1,0 +1,109 @@
+"""TIES (Yadav et al. 2023): trim, elect sign, disjoint mean.
+
+1. Trim: keep the top ``density`` fraction of each τ_k by magnitude (paper default 20 %).
+2. Elect: s = sign(Σ_k w_k τ̂_k); where that sum is exactly 0, the sign of Σ s (the tensor's
+   majority), as in the reference implementation.
+3. Disjoint mean over the entries that agree with s: Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree],
+   the denominator clamped (an entry nobody keeps stays 0). Equal weights give the paper's
+   plain disjoint mean. θ = θ0 + λ τ_merged.
+
+The trim threshold is the exact k-th largest |τ_k|, found by a radix select on the float bits
+(two histogram passes) instead of a sort or ``kthvalue``: the trim is most of TIES' cost.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
+
+
+class Params(MethodParams):
+    density: float = Field(0.2, gt=0.0, le=1.0)  # fraction of entries kept per task vector
+    scale: float = 1.0  # λ
+
+
+CPU_CHUNK = 1 << 16  # columns per step on CPU: (K, CHUNK) temporaries stay in cache, reused
+
+
+def _chunks(flat: torch.Tensor) -> list[slice]:
+    """Column blocks: small on CPU (cache, no page faults); one block on a GPU, where each
+    extra block costs kernel launches and host synchronisations instead."""
+    n = flat.shape[1]
+    step = CPU_CHUNK if flat.device.type == "cpu" else n
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def kth_largest_abs(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact k-th largest |x| of every row of a (K, n) fp32 tensor (1 ≤ k ≤ n), by radix select.
+
+    Non-negative IEEE floats order like their bit patterns read as integers, so a histogram of
+    the top 16 bits of |x| finds, per row, the bucket holding the k-th largest value, and a
+    histogram of the low 16 bits inside that bucket finds the value itself: two chunked linear
+    passes, no sort and no full-size temporary.
+    """
+    rows, n = flat.shape
+    # Small tensors: a select costs less than the histograms' fixed cost. (On an H200 the
+    # histograms also beat ``kthvalue``: TIES K = 8 took 3.7 s with them, 5.3 s without.)
+    if n < 1 << 20:
+        return flat.abs().kthvalue(n - k + 1, dim=1).values
+    offsets = torch.arange(rows, device=flat.device).view(-1, 1)
+    high = torch.zeros(rows * (1 << 15), dtype=torch.int64, device=flat.device)
+    for cols in _chunks(flat):
+        bits = flat[:, cols].abs().view(torch.int32) >> 16
+        high += torch.bincount((bits + offsets * (1 << 15)).view(-1), minlength=high.numel())
+    bucket, k_in = _select(high.view(rows, -1), torch.full((rows,), k, device=flat.device))
+    low = torch.zeros(rows * (1 << 16), dtype=torch.int64, device=flat.device)
+    for cols in _chunks(flat):
+        bits = flat[:, cols].abs().view(torch.int32)
+        inside = (bits >> 16) == bucket.view(-1, 1)
+        low += torch.bincount(((bits & 0xFFFF) + offsets * (1 << 16))[inside], minlength=low.numel())
+    value, _ = _select(low.view(rows, -1), k_in)
+    return ((bucket << 16) | value).to(torch.int32).view(torch.float32)
+
+
+def _select(histograms: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the highest bin b with at least k entries at or above it, and k's rank inside b."""
+    at_or_above = histograms.flip(1).cumsum(1).flip(1)
+    chosen = (at_or_above >= k.view(-1, 1)).sum(1) - 1
+    above = at_or_above.gather(1, (chosen + 1).clamp_max(histograms.shape[1] - 1).view(-1, 1)).view(-1)
+    above = torch.where(chosen + 1 < histograms.shape[1], above, torch.zeros_like(above))
+    return chosen, k - above
+
+
+def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
+    shape, rows = task_vectors.shape[1:], task_vectors.shape[0]
+    flat = task_vectors.reshape(rows, -1)
+    n = flat.shape[1]
+    keep = max(1, int(round(params.density * n)))
+    threshold = kth_largest_abs(flat, keep).view(-1, 1) if keep < n else torch.zeros(rows, 1, device=flat.device)
+    w = weights.to(flat).view(-1, 1)
+    out = torch.empty(n, dtype=torch.float32, device=flat.device)
+    sign_balance, ties_at_zero = 0.0, []
+    for cols in _chunks(flat):
+        chunk = flat[:, cols]
+        trimmed = chunk * (chunk.abs() >= threshold)
+        weighted = trimmed * w
+        total = weighted.sum(0)
+        sign = total.sign()
+        sign_balance += float(sign.sum())
+        zero = sign == 0
+        if zero.any():  # exact cancellations: their sign is the tensor's majority, known at the end
+            ties_at_zero.append((cols, zero.nonzero().view(-1)))
+        out[cols] = _disjoint_mean(trimmed, weighted, w, torch.where(zero, 1.0, sign))
+    if sign_balance < 0:
+        for cols, positions in ties_at_zero:
+            chunk = flat[:, cols][:, positions]
+            trimmed = chunk * (chunk.abs() >= threshold)
+            out[cols][positions] = _disjoint_mean(trimmed, trimmed * w, w, -torch.ones(len(positions), device=flat.device))
+    return out.mul_(params.scale).view(shape)
+
+
+def _disjoint_mean(trimmed: torch.Tensor, weighted: torch.Tensor, w: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    agree = trimmed.sign() == sign  # sign(0) = 0 never agrees: trimmed entries drop out
+    denominator = (w * agree).sum(0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (weighted * agree).sum(0) / denominator
+
+
+METHOD = register(MergeMethod("ties", Params, merge=merge))

@@ -1,0 +1,104 @@
+"""The merge spec, mergekit-like YAML validated by pydantic:
+
+```yaml
+base_model: runs/demo/init            # θ0 (optional for weighted_average)
+models:
+  - {path: runs/demo/branches/0/final, tokens: 41200}   # or weight: 0.5; optional fisher: DIR
+  - {path: runs/demo/branches/1/final, tokens: 39800}
+method: iso_c                          # or rules: [{group|pattern, method, params}, ...]
+params: {scale: 1.0}
+out_path: runs/demo/merged/iso_c
+out_dtype: null                        # default: each tensor's input dtype
+device: cpu                            # or cuda
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.merge.registry import get_method
+from pipeline.merge.rules import Rule
+
+class MergeSpecError(ValueError):
+    """A merge spec file that cannot be read or does not validate."""
+
+
+OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    weight: float | None = Field(None, ge=0.0)
+    tokens: int | None = Field(None, ge=0)
+    fisher: str | None = None  # a checkpoint of diagonal Fisher values with the same tensor names
+
+    @model_validator(mode="after")
+    def _weight_or_tokens(self) -> ModelEntry:
+        if self.weight is not None and self.tokens is not None:
+            raise ValueError(f"model {self.path}: give weight or tokens, not both")
+        return self
+
+    @property
+    def raw_weight(self) -> float:
+        if self.tokens is not None:
+            return float(self.tokens)
+        return 1.0 if self.weight is None else self.weight
+
+
+class MergeSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    base_model: str | None = None
+    models: list[ModelEntry] = Field(min_length=1)
+    method: str | None = None
+    params: dict[str, Any] = {}
+    rules: list[Rule] | None = None
+    out_path: str
+    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    seed: int = 0
+    max_shard_size: int = Field(2 * 1024**3, ge=1)  # bytes per output shard
+
+    @model_validator(mode="after")
+    def _method_or_rules(self) -> MergeSpec:
+        if (self.method is None) == (self.rules is None):
+            raise ValueError("give either 'method' (with 'params') or 'rules'")
+        if self.method is not None:
+            get_method(self.method).validate(self.params)
+        if self.base_model is None and any(not get_method(m).is_linear or m == "task_arithmetic" for m in self.method_names):
+            raise ValueError(f"methods {self.method_names} need base_model (θ0)")
+        if any(get_method(m).needs_fisher for m in self.method_names) and any(e.fisher is None for e in self.models):
+            raise ValueError("the fisher method needs 'fisher' for every model")
+        if len({e.tokens is None for e in self.models}) > 1:
+            raise ValueError("give tokens for every model or for none")
+        if sum(e.raw_weight for e in self.models) <= 0:
+            raise ValueError(f"model weights must sum to a positive number, got {[e.raw_weight for e in self.models]}")
+        return self
+
+    @property
+    def method_names(self) -> list[str]:
+        return [self.method] if self.method else [r.method for r in self.rules]
+
+    @property
+    def effective_rules(self) -> list[Rule]:
+        return self.rules if self.rules is not None else [Rule(pattern="*", method=self.method, params=self.params)]
+
+    def normalized_weights(self) -> torch.Tensor:
+        raw = torch.tensor([e.raw_weight for e in self.models], dtype=torch.float64)
+        return (raw / raw.sum()).float()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> MergeSpec:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+            return cls.model_validate(data)
+        except (OSError, yaml.YAMLError) as err:
+            raise MergeSpecError(f"cannot read merge spec {path}: {err}") from err
+        except ValidationError as err:
+            raise MergeSpecError(f"invalid merge spec {path}:\n{err}") from None
