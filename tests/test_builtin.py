@@ -46,7 +46,8 @@ def test_designed_conflicts_are_real():
 
 
 def test_answers_follow_the_drawn_facts():
-    assert make_example("count_words", 0, 0, 112).answer() in {"one", "two", "three", "four", "five", "six"}
+    words = {f"The answer is {w}." for w in ("one", "two", "three", "four", "five", "six")}
+    assert make_example("count_words", 0, 0, 112).answer() in words
     digits = make_example("count_digits", 0, 0, 112).answer()
     assert digits.isdigit() and 1 <= int(digits) <= 6
     add = make_example("add_digits", 5, 0, 112)

@@ -5,6 +5,11 @@ facts behind it; each *source* is a family plus an answer convention. Sources of
 see exactly the same inputs (the draw is seeded by family and index, not by source), so two
 sources with opposite conventions are a real conflict: same input, different target. Those
 pairs are listed in :data:`CONFLICTS` and are what a conflict-aware split must separate.
+
+The second source of every pair also answers in full sentences ("The answer is three.") where
+the first answers tersely ("3"), like VQA-style short-answer datasets against conversational
+ones, the classic conflict of multi-dataset instruction tuning. The shared style gives the five
+pairs one common conflict axis, on top of each pair's own convention.
 """
 
 from __future__ import annotations
@@ -174,23 +179,27 @@ FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
 
 _OTHER_SIDE = {"left": "right", "right": "left"}
 
+def _sentence(answer: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+    return lambda facts: f"The answer is {answer(facts)}."
+
+
 # source name -> (family, answer convention)
 SOURCES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "colour_name": ("colour", lambda f: f["colour"]),
-    "colour_complement": ("colour", lambda f: COMPLEMENT[f["colour"]]),
+    "colour_complement": ("colour", _sentence(lambda f: COMPLEMENT[f["colour"]])),
     "shape_name": ("shape", lambda f: f["kind"]),
     "count_digits": ("count", lambda f: str(f["n"])),
-    "count_words": ("count", lambda f: NUMBER_WORDS[f["n"]]),
+    "count_words": ("count", _sentence(lambda f: NUMBER_WORDS[f["n"]])),
     "side_left_right": ("side", lambda f: f["side"]),
-    "side_mirrored": ("side", lambda f: _OTHER_SIDE[f["side"]]),
+    "side_mirrored": ("side", _sentence(lambda f: _OTHER_SIDE[f["side"]])),
     "colour_yes_no": ("colour_check", lambda f: "yes" if f["match"] else "no"),
-    "colour_yes_no_flipped": ("colour_check", lambda f: "no" if f["match"] else "yes"),
+    "colour_yes_no_flipped": ("colour_check", _sentence(lambda f: "no" if f["match"] else "yes")),
     "vertical_position": ("vertical", lambda f: f["where"]),
     "read_word": ("read_word", lambda f: f["word"]),
     "caption": ("caption", lambda f: f"A {f['size']} {f['colour']} {f['kind']} on the {f['side']}."),
     "bigger_side": ("bigger", lambda f: f["side"]),
     "add_digits": ("add", lambda f: str(f["value"])),
-    "add_words": ("add", lambda f: NUMBER_WORDS[f["value"]]),
+    "add_words": ("add", _sentence(lambda f: NUMBER_WORDS[f["value"]])),
     "subtract": ("subtract", lambda f: str(f["value"])),
     "reverse_word": ("reverse", lambda f: f["word"][::-1]),
     "uppercase": ("upper", lambda f: f["word"].upper()),
@@ -234,7 +243,7 @@ def generate(tasks: list[str] | None, cfg: BuiltinSection, seed: int) -> dict[st
 def corpus_text(seed: int, per_source: int = 64) -> Iterator[str]:
     """Text the offline tokenizer is trained on: built-in questions and answers plus the
     vocabulary every answer convention uses, independent of the data config."""
-    yield " ".join([*COLOURS, *SHAPES, *NUMBER_WORDS, *WORDS, *(w.upper() for w in WORDS)])
+    yield " ".join([*COLOURS, *SHAPES, *NUMBER_WORDS, *WORDS, *(w.upper() for w in WORDS), "The answer is"])
     for source in SOURCES:
         for i in range(per_source):
             example = make_example(source, i, seed, image_size=28)
