@@ -53,6 +53,11 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     for leftover in dst.parent.glob(f".{dst.name}.tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
+    olds = sorted(dst.parent.glob(f".{dst.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds and not dst.exists():  # killed between the two renames below: the old one is whole
+        olds.pop().rename(dst)
+    for leftover in olds:
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

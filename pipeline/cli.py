@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from calibration.errors import CalibrationError, SplitError
+from pipeline.checkpoint import CheckpointError
 from pipeline.config import ConfigError, RunConfig, load_config, save_config
 from pipeline.data.example import DataError
 from pipeline.merge.io import MergeInputError
@@ -76,6 +78,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"run directory: {resolve_run(args)[1]}")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from calibration.stage import calibrate
+
+    cfg, run_dir = resolve_run(args)
+    summary = calibrate(cfg, run_dir, diagnostics=args.diagnostics, force=args.force)
+    print(f"calibration: {summary['dim']:,} of {summary['parameters']:,} gradient coordinates ({summary['sketch']}), "
+          f"{summary['gradient_seconds']:.1f} s of gradients, {summary['total_seconds']:.1f} s in all")  # fmt: skip
+    shares = ", ".join(f"{100 * v:.1f} %" for v in summary["explained_variance"])
+    print(f"split into {len(summary['groups'])} groups" + (f" (explained variance of the axes: {shares})" if shares else ""))
+    rows = [[k, tokens, ", ".join(group)] for k, (group, tokens) in enumerate(zip(summary["groups"], summary["tokens"]))]
+    print(format_table(["group", "tokens", "sources"], rows))
+    if "diagnostics" in summary:
+        d = summary["diagnostics"]
+        curve = ", ".join(f"n={n}: {c:.3f}" for n, c in d["cosine_vs_n"].items())
+        print(f"stability: mean adjusted Rand index {d['mean_ari']:.3f} over {len(d['stability_ari'])} resamples")
+        print(f"cosine to the n={d['reference_n']} gradient: {curve}")
+    print(f"outputs: {run_dir / 'calibration'}")
+
+
 def cmd_merge(args: argparse.Namespace) -> None:
     from pipeline.merge import MergeSpec, merge_checkpoints
 
@@ -113,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the offline default: init and prepare, then print the summary")
     add_run_options(demo).set_defaults(func=cmd_demo)
 
+    calibrate = sub.add_parser("calibrate", help="per-source gradient conflicts at θ0 and the MERIT split")
+    add_run_options(calibrate).add_argument("--diagnostics", action="store_true",
+                                            help="also measure split stability and gradient accuracy vs n")  # fmt: skip
+    calibrate.set_defaults(func=cmd_calibrate)
+
     merge = sub.add_parser("merge", help="merge checkpoints as a mergekit-like YAML spec says")
     merge.add_argument("spec", help="merge spec YAML (base_model, models, method or rules, out_path, ...)")
     merge.add_argument("--out-path", help="override the spec's out_path")
@@ -143,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, MergeInputError, MergeSpecError) as err:
+    except (ConfigError, DataError, CheckpointError, MergeInputError, MergeSpecError, CalibrationError, SplitError) as err:
         print(f"merit: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -112,10 +112,37 @@ class DataSection(Section):
         return self
 
 
+class CalibrationSection(Section):
+    """MERIT's split: per-source mean gradients at θ0, their cosine conflicts, PCA, K = 2^r groups."""
+
+    n_per_source: int = Field(200, ge=1)
+    batch_size: int = Field(16, ge=1)
+    # Glob patterns over the model's parameter names (in memory); default: the language
+    # blocks' 2-D weights.
+    params: list[str] = ["model.language_model.layers.*"]
+    matrices_only: bool = True
+    sketch: Literal["stride", "projection"] = "stride"
+    dim: int = Field(16384, ge=16)
+    centre: bool = False
+    r: int = Field(1, ge=1)
+    method: Literal["pca", "random", "given"] = "pca"
+    groups: list[list[str]] | None = None  # for method: given
+    devices: list[str] | None = None  # default: every GPU, else the CPU
+    resamples: int = Field(5, ge=1)  # diagnostics: split stability
+    reference_n: int = Field(400, ge=2)  # diagnostics: the gradient the n-sample one is compared with
+
+    @model_validator(mode="after")
+    def _groups_for_given(self) -> CalibrationSection:
+        if (self.method == "given") != (self.groups is not None):
+            raise ValueError("calibration.groups is required for method 'given' and only for it")
+        return self
+
+
 class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
+    calibration: CalibrationSection = CalibrationSection()
 
     def digest(self, *sections: str) -> str:
         """A stable hash of some sections, used to decide whether a stage's outputs are stale."""

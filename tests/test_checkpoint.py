@@ -43,3 +43,15 @@ def test_next_writer_removes_leftovers_of_a_killed_writer(tmp_path):
     with staged_dir(tmp_path / "ckpt") as tmp:
         write_manifest(tmp)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "other"]
+
+
+def test_a_kill_between_the_renames_keeps_the_old_checkpoint(tmp_path):
+    with staged_dir(tmp_path / "ckpt") as tmp:
+        (tmp / "w.bin").write_bytes(b"old")
+        write_manifest(tmp)
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-1234abcd")  # the state right after the first rename
+    with pytest.raises(RuntimeError):
+        with staged_dir(tmp_path / "ckpt"):
+            raise RuntimeError("the next writer fails")
+    assert (tmp_path / "ckpt" / "w.bin").read_bytes() == b"old" and is_complete(tmp_path / "ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

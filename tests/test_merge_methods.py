@@ -59,7 +59,7 @@ def np_ties(b, taus, w, density, scale):
         trimmed[i] = np.where(np.abs(t) >= threshold, t, 0.0)
     total = np.tensordot(w, trimmed, 1)
     sign = np.sign(total)
-    sign[sign == 0] = 1.0 if sign.sum() >= 0 else -1.0
+    sign[sign == 0] = np.sign(sign.sum())
     out = np.zeros_like(b)
     for idx in np.ndindex(b.shape):
         agree = [i for i in range(len(taus)) if trimmed[i][idx] != 0 and np.sign(trimmed[i][idx]) == sign[idx]]
@@ -101,7 +101,7 @@ def np_ties_vectorized(b, taus, w, density):
     trimmed = np.where(np.abs(flat) >= thresholds, flat, 0.0)
     total = (w[:, None] * trimmed).sum(0)
     sign = np.sign(total)
-    sign[sign == 0] = 1.0 if sign.sum() >= 0 else -1.0
+    sign[sign == 0] = np.sign(sign.sum())
     agree = np.sign(trimmed) == sign
     out = (w[:, None] * trimmed * agree).sum(0) / np.maximum((w[:, None] * agree).sum(0), 1e-38)
     return b + out.reshape(b.shape)
@@ -223,12 +223,36 @@ def test_every_method_is_odd_so_pseudo_gradients_work():
         torch.testing.assert_close(neg, -pos, atol=1e-5, rtol=1e-5, msg=method)
 
 
+def test_ties_stays_odd_when_the_majority_is_a_tie():
+    taus = [{"t": torch.tensor([1.0, -1.0, 1.0])}, {"t": torch.tensor([-1.0, -1.0, 1.0])}]
+    rule = [Rule(pattern="*", method="ties", params={"density": 1.0})]
+    pos = merge_state_dicts(taus, [1, 1], rule)["t"]
+    neg = merge_state_dicts([{"t": -t["t"]} for t in taus], [1, 1], rule)["t"]
+    assert pos.tolist() == [0.0, -1.0, 1.0] and torch.equal(neg, -pos)
+
+
 def test_merge_state_dicts_leaves_inputs_untouched():
     base, models, weights = case(3, (10, 10))
     copies = [m.clone() for m in models]
     for method in ("weighted_average", "ties", "dare", "iso_c"):
         merge_state_dicts([{"t": m} for m in models], weights, [Rule(pattern="*", method=method)], base={"t": base})
     assert all(torch.equal(a, b) for a, b in zip(models, copies))
+
+
+def test_in_memory_inputs_are_validated():
+    base, models, weights = case(2, (4, 3))
+    with pytest.raises(ValueError, match="2 inputs but 1 weights"):
+        merged("ties", base, models, weights[:1])
+    with pytest.raises(ValueError, match=r"base: tensor t is \(3,\)"):
+        merged("ties", base[0], models, weights)
+    nan_base = base.clone()
+    nan_base[0, 0] = float("nan")
+    for method in ("ties", "task_arithmetic"):
+        with pytest.raises(ValueError, match="base: tensor t contains NaN"):
+            merged(method, nan_base, models, weights, **({"scale": 0.5} if method == "task_arithmetic" else {}))
+    steps = [{"t": m, "step": torch.tensor([7])} for m in models]
+    out = merge_state_dicts(steps, weights, [Rule(pattern="*", method="iso_c")])
+    assert out["step"].dtype == torch.int64 and out["step"].tolist() == [7]
 
 
 def test_bad_params_and_weights_are_refused():

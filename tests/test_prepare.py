@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from conftest import small_config
@@ -57,3 +58,27 @@ def test_heldout_indices_are_seeded_and_bounded():
     assert len(heldout_indices(5, 0.01, 0, "a")) == 1
     assert len(heldout_indices(2, 0.9, 0, "a")) == 1
     assert heldout_indices(100, 0.0, 0, "a") == [] and heldout_indices(1, 0.5, 0, "a") == []
+
+
+def test_stale_token_cache_is_refused(tmp_path, processor):
+    import json
+
+    from conftest import llava_record, write_json
+    from pipeline.data import DataError
+
+    path = write_json(tmp_path / "d.json", [llava_record(None, str(i)) for i in range(4)])
+    cfg = small_config(f"data.sources={json.dumps([{'name': 'd', 'format': 'llava', 'path': str(path)}])}")
+    prepare_data(cfg, tmp_path / "run", processor)
+    write_json(path, [llava_record(None, str(i)) for i in (0, 1, 9, 3)])  # record 2 edited in place
+    with pytest.raises(DataError, match=r"d\.json record 2: changed since `merit prepare`"):
+        load_split(cfg, tmp_path / "run", "train")
+
+
+def test_seed_change_redoes_prepare_and_entry_heldout_fraction_applies(tmp_path, processor):
+    cfg = small_config("data.sources=[{name: b, format: builtin, tasks: [add_digits, caption], heldout_fraction: 0.5}]")
+    first = prepare_data(cfg, tmp_path, processor)
+    assert [len(v["heldout_indices"]) for v in first["sources"].values()] == [6, 6]
+    reseeded = small_config("run.seed=1", "data.sources=[{name: b, format: builtin, tasks: [add_digits, caption], heldout_fraction: 0.5}]")
+    second = prepare_data(reseeded, tmp_path, processor_for(reseeded))
+    assert second["config_digest"] != first["config_digest"]
+    assert load_split(reseeded, tmp_path, "train")["add_digits"]  # the cache matches the new corpus

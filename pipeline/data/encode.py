@@ -54,8 +54,9 @@ class Encoder:
         self.vision_start, self.vision_end = ids("<|vision_start|>"), ids("<|vision_end|>")
         self.image_token = ids("<|image_pad|>")
         self.merge_area = processor.image_processor.merge_size**2
-        self.header_tail = tok.encode("assistant\n", add_special_tokens=False)
+        self.role = tok.encode("assistant", add_special_tokens=False)
         (self.newline,) = tok.encode("\n", add_special_tokens=False)
+        self._starts_line: dict[int, bool] = {}
         size = processor.image_processor.size
         self.pixel_bounds = {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]}
 
@@ -126,14 +127,22 @@ class Encoder:
             messages.append({"role": message["role"], "content": content})
         return messages
 
+    def _is_line_break(self, token: int) -> bool:
+        """Whether a token starts with a newline: the header's "\n" may merge with an answer's
+        leading newlines into one token ("\n\n" is a single token in Qwen's vocabulary)."""
+        if token not in self._starts_line:
+            self._starts_line[token] = self.processor.tokenizer.decode([token]).startswith("\n")
+        return self._starts_line[token]
+
     def assistant_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         ids = input_ids.tolist()
-        tail = len(self.header_tail)
+        after_role = 1 + len(self.role)
         for start in (input_ids == self.im_start).nonzero().flatten().tolist():
-            if ids[start + 1 : start + 1 + tail] != self.header_tail:
+            header_end = start + after_role
+            if ids[start + 1 : header_end] != self.role or header_end >= len(ids) or not self._is_line_break(ids[header_end]):
                 continue
-            first = start + 1 + tail
+            first = header_end + 1
             end = first
             while end < len(ids) and ids[end] != self.im_end:
                 end += 1

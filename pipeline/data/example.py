@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,13 @@ class Example:
                 return img.convert("RGB")
         except (OSError, UnidentifiedImageError) as err:
             raise self.error(f"unreadable image {ref}: {err}") from err
+
+    def fingerprint(self) -> int:
+        """A 64-bit hash of the conversation and its image references (paths, or the drawing
+        of a built-in scene; decoded images count by position only)."""
+        refs = [str(ref) if isinstance(ref, (Path, str)) else repr(ref) if callable(ref) else "image" for ref in self.images]
+        text = json.dumps([self.messages, refs], sort_keys=True)
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
     def answer(self) -> str:
         """Text of the last assistant turn: the exact target used for held-out accuracy."""

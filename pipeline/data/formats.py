@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from pipeline.data.example import DataError, Example, ImageRef
 
@@ -100,7 +100,10 @@ class RecordParser:
         if isinstance(ref, Image.Image):
             return ref
         if isinstance(ref, dict) and ref.get("bytes"):  # datasets Image feature, not decoded
-            return Image.open(io.BytesIO(ref["bytes"]))
+            try:
+                return Image.open(io.BytesIO(ref["bytes"]))
+            except (OSError, UnidentifiedImageError) as err:
+                raise DataError(self.origin, index, f"unreadable image bytes: {err}") from err
         if isinstance(ref, dict) and ref.get("path"):
             ref = ref["path"]
         if not isinstance(ref, str) or not ref:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from pipeline.checkpoint import write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data.encode import Encoder
-from pipeline.data.example import Example
+from pipeline.data.example import DataError, Example
 from pipeline.data.sources import load_sources
 
 MANIFEST_PATH = Path("data") / "manifest.json"
@@ -43,19 +43,18 @@ def heldout_indices(n: int, fraction: float, seed: int, source: str) -> list[int
 def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool = False) -> dict[str, Any]:
     """Write ``run_dir/data/manifest.json``; reuse it when the data and model sections match."""
     path = Path(run_dir) / MANIFEST_PATH
-    digest = cfg.digest("data", "model")
+    digest = cfg.digest("run", "data", "model")  # the seed draws the built-in corpus and the split
     if path.is_file() and not force:
         manifest = json.loads(path.read_text())
         if manifest.get("config_digest") == digest:
             return manifest
     loaded = load_sources(cfg.data, cfg.run.seed)
     encoder = Encoder(processor, cfg.data.max_length)
-    fractions = {spec.name: spec.heldout_fraction for spec in cfg.data.sources}
     total = sum(len(v) for v in loaded.examples.values())
     sources = {}
     with tqdm(total=total, desc="prepare: encoding", unit="ex", leave=False) as bar:
         for number, (name, examples) in enumerate(loaded.examples.items()):
-            fraction = fractions.get(name)
+            fraction = loaded.entries[name].heldout_fraction
             fraction = cfg.data.heldout_fraction if fraction is None else fraction
             heldout = heldout_indices(len(examples), fraction, cfg.run.seed, name)
             tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
@@ -81,7 +80,7 @@ def _encode_source(examples: list[Example], heldout: set[int], encoder: Encoder,
     encoded = (enc for i in range(0, len(examples), ENCODE_BATCH) for enc in encoder.encode_batch(examples[i : i + ENCODE_BATCH]))
     ids = []
     for position, enc in enumerate(encoded):
-        ids.append(enc.input_ids.to(torch.int32))
+        ids.append(enc.input_ids.to(torch.int32))  # kept with each example's fingerprint
         split = "heldout" if position in heldout else "train"
         counts["examples"] += 1
         counts[f"{split}_tokens"] += enc.num_tokens
@@ -90,22 +89,31 @@ def _encode_source(examples: list[Example], heldout: set[int], encoder: Encoder,
             counts["supervised_tokens"] += enc.num_supervised
         counts["truncated"] += enc.truncated
         bar.update()
-    _save_token_ids(ids, tokens_path)
+    _save_token_ids(ids, [ex.fingerprint() for ex in examples], tokens_path)
     return counts
 
 
-def _save_token_ids(ids: list[torch.Tensor], path: Path) -> None:
+def _save_token_ids(ids: list[torch.Tensor], fingerprints: list[int], path: Path) -> None:
     offsets = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0).tolist()], dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"input_ids": torch.cat(ids), "offsets": offsets}, str(tmp))
+    tensors = {"input_ids": torch.cat(ids), "offsets": offsets, "fingerprints": torch.tensor(fingerprints, dtype=torch.int64)}
+    save_file(tensors, str(tmp))
     tmp.replace(path)
 
 
-def _load_token_ids(path: Path) -> list[torch.Tensor]:
+def _attach_token_ids(examples: list[Example], path: Path, source: str) -> None:
+    """Give each example its cached ids, refusing a cache that no longer matches the data."""
     tensors = load_file(str(path))
     bounds = tensors["offsets"].tolist()
-    return [tensors["input_ids"][a:b] for a, b in zip(bounds, bounds[1:])]
+    fingerprints = tensors["fingerprints"].tolist()
+    if len(fingerprints) != len(examples):
+        raise DataError(str(path), None, f"source '{source}': {len(examples)} examples but {len(fingerprints)} cached; "
+                        "re-run `merit prepare --force`")  # fmt: skip
+    for i, example in enumerate(examples):
+        if example.fingerprint() != fingerprints[i]:
+            raise example.error("changed since `merit prepare` (its cached token ids are stale); re-run `merit prepare --force`")
+        example.token_ids = tensors["input_ids"][bounds[i] : bounds[i + 1]]
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
@@ -135,10 +143,6 @@ def load_split(cfg: RunConfig, run_dir: str | Path, split: str, sources: list[st
     for name in wanted:
         held = set(known[name]["heldout_indices"])
         examples = loaded.examples[name]
-        token_ids = _load_token_ids(Path(run_dir) / known[name]["tokens_file"])
-        if len(token_ids) != len(examples):
-            raise ValueError(f"source '{name}': {len(examples)} examples but {len(token_ids)} cached; re-run prepare")
-        for example, ids in zip(examples, token_ids):
-            example.token_ids = ids
+        _attach_token_ids(examples, Path(run_dir) / known[name]["tokens_file"], name)
         out[name] = [ex for pos, ex in enumerate(examples) if (pos in held) == (split == "heldout")]
     return out

@@ -18,12 +18,13 @@ from pipeline.data.formats import RecordParser, read_hf_disk_records, read_json_
 class LoadedSources:
     examples: dict[str, list[Example]] = field(default_factory=dict)
     formats: dict[str, str] = field(default_factory=dict)
+    entries: dict[str, SourceSpec] = field(default_factory=dict)  # the config entry of each source
     skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source -> reasons
 
-    def add(self, name: str, fmt: str, examples: list[Example]) -> None:
+    def add(self, name: str, spec: SourceSpec, examples: list[Example]) -> None:
         if name in self.examples:
             raise ValueError(f"two config entries produce a source named '{name}'")
-        self.examples[name], self.formats[name] = examples, fmt
+        self.examples[name], self.formats[name], self.entries[name] = examples, spec.format, spec
 
 
 class _Policy:
@@ -57,7 +58,7 @@ def load_sources(data: DataSection, seed: int) -> LoadedSources:
             if not examples:
                 policy.reject(name, DataError(spec.path or f"builtin:{name}", None, f"source '{name}' has no examples"))
                 continue
-            loaded.add(name, spec.format, examples)
+            loaded.add(name, spec, examples)
     if not loaded.examples:
         raise DataError("config data.sources", None, "no source has any example")
     return loaded

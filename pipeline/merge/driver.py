@@ -57,8 +57,9 @@ class _Timer:
 
 
 def merge_tensor(method: MergeMethod, params: MethodParams, ctx: TensorContext, base: Loader | None,
-                 inputs: Sequence[Loader], labels: Sequence[str], weights: torch.Tensor,
-                 device: str = "cpu", load: Callable[[Loader], torch.Tensor] = lambda f: f()) -> torch.Tensor:  # fmt: skip
+                 inputs: Sequence[Loader], labels: Sequence[str], weights: torch.Tensor, device: str = "cpu",
+                 load: Callable[[Loader], torch.Tensor] = lambda f: f(), base_label: str = "base model",
+                 workspace: Workspace | None = None) -> torch.Tensor:  # fmt: skip
     """Merge one tensor. With ``base`` (θ0's loader) the inputs are models θ_k and the result is
     θ; with ``base=None`` the inputs are already task vectors / pseudo-gradients and so is the
     result. θ0 is read only when the method needs it (never for the weighted average)."""
@@ -72,33 +73,39 @@ def merge_tensor(method: MergeMethod, params: MethodParams, ctx: TensorContext, 
         if base is not None and base_coeff:
             out.add_(load(base).to(device), alpha=base_coeff)
         if not torch.isfinite(out.sum()):  # NaN/Inf in any input reaches a linear combination
-            _raise_non_finite(ctx.name, [load(f) for f in inputs], labels)
+            used = [*inputs, base] if base is not None and base_coeff else list(inputs)
+            _raise_non_finite(ctx.name, [load(f) for f in used], [*labels, base_label])
         return out
     stack = None
     for k, loader in enumerate(inputs):
         t = load(loader)
         if stack is None:
-            stack = _workspace(len(inputs) * t.numel(), device).view(len(inputs), *t.shape)
+            flat = (workspace or Workspace()).get(len(inputs) * t.numel(), device)
+            stack = flat.view(len(inputs), *t.shape)
         stack[k].copy_(t)
     if not torch.isfinite(stack.reshape(len(inputs), -1).sum(1)).all():
         _raise_non_finite(ctx.name, stack, labels)
     if base is None:
         return method.merge(stack, weights.to(device), ctx, params)
     theta0 = load(base).to(device, torch.float32)
+    if not torch.isfinite(theta0.sum()):
+        _raise_non_finite(ctx.name, [theta0], [base_label])
     return method.merge(stack.sub_(theta0), weights.to(device), ctx, params).add_(theta0)
 
 
-_WORKSPACES: dict[str, torch.Tensor] = {}
+class Workspace:
+    """Scratch space reused from tensor to tensor within one merge: allocating (K, n) fresh for
+    every tensor costs a page fault per 4 KiB, as much as the merge arithmetic itself on CPU.
+    Owned by one merge call (freed with it, never shared between threads)."""
 
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
 
-def _workspace(numel: int, device: str) -> torch.Tensor:
-    """A scratch buffer reused from tensor to tensor: allocating (K, n) fresh for every tensor
-    costs a page fault per 4 KiB, as much as the merge arithmetic itself on CPU."""
-    buffer = _WORKSPACES.get(device)
-    if buffer is None or buffer.numel() < numel:
-        _WORKSPACES.pop(device, None)
-        buffer = _WORKSPACES[device] = torch.empty(numel, dtype=torch.float32, device=device)
-    return buffer[:numel]
+    def get(self, numel: int, device: str) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < numel or str(self.buffer.device) != str(torch.device(device)):
+            self.buffer = None
+            self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.buffer[:numel]
 
 
 def _raise_non_finite(name: str, tensors, labels: Sequence[str]) -> None:
@@ -114,20 +121,25 @@ def merge_state_dicts(models: Sequence[dict[str, torch.Tensor]], weights: Sequen
     """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
     pseudo-gradients and the result is their merged update: nothing is written to disk."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
+    if len(weights) != len(models):
+        raise ValueError(f"{len(models)} inputs but {len(weights)} weights")
     if weights.sum() <= 0 or (weights < 0).any():
         raise ValueError(f"weights must be non-negative and sum to a positive number, got {weights.tolist()}")
     weights = (weights / weights.sum()).float()
-    names = list(models[0])
-    _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in m.items()} for m in models],
-                        [f"input {k}" for k in range(len(models))])  # fmt: skip
-    out = {}
-    for name in names:
+    labels = [f"input {k}" for k in range(len(models))]
+    dicts, dict_labels = [*models, *([base] if base is not None else [])], [*labels, *(["base"] if base is not None else [])]
+    _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
+    workspace, out = Workspace(), {}
+    for name, first in models[0].items():
         method, params = choose(name, rules)
+        if not first.dtype.is_floating_point:
+            out[name] = first.clone()  # integer buffers are copied, not merged
+            continue
         if method.needs_fisher:
             raise ValueError("the fisher method needs Fisher files: use merge_checkpoints")
         out[name] = merge_tensor(
             method, params, TensorContext(name, seed), None if base is None else (lambda: base[name]),
-            [lambda m=m: m[name] for m in models], [f"input {k}" for k in range(len(models))], weights, device,
+            [lambda m=m: m[name] for m in models], labels, weights, device, base_label="base", workspace=workspace,
         )  # fmt: skip
     return out
 
@@ -191,6 +203,7 @@ class _CheckpointMerge:
         }
         self.report = MergeReport(out_path=spec.out_path)
         self.timer = _Timer(self.report)
+        self.workspace = Workspace()
 
     def merge(self, name: str) -> torch.Tensor:
         method, params = choose(name, self.rules)
@@ -204,7 +217,7 @@ class _CheckpointMerge:
                 method, params, TensorContext(name, self.spec.seed, fishers),
                 (lambda: self.base.get(name)) if self.base else None,
                 [lambda r=r: r.get(name) for r in self.models], self.labels, self.weights, self.spec.device,
-                self.timer.load,
+                self.timer.load, str(self.spec.base_model), self.workspace,
             )  # fmt: skip
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged

@@ -64,6 +64,8 @@ class CheckpointReader:
                 if name in self.location:
                     raise MergeInputError(f"{file}: tensor {name} also stored in {self.location[name]}")
                 view = handle.get_slice(name)
+                if view.get_dtype() not in DTYPES:
+                    raise MergeInputError(f"{file}: tensor {name} has dtype {view.get_dtype()}, which cannot be merged")
                 self.location[name] = file
                 self.info[name] = TensorInfo(tuple(view.get_shape()), DTYPES[view.get_dtype()])
 
@@ -100,7 +102,10 @@ class CheckpointReader:
 
     def config(self) -> dict:
         path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except json.JSONDecodeError as err:
+            raise MergeInputError(f"{path}: not valid JSON ({err})") from err
 
     def aux_files(self) -> list[Path]:
         """Files beside the weights that a loadable checkpoint needs (config, tokenizer,
@@ -162,25 +167,31 @@ class ShardedWriter:
     def _drain(self) -> None:
         file: BinaryIO | None = None
         digest = None
+        stopped = False
         try:
             while (item := self._queue.get()) is not None:
                 name, tensor = item
                 if name in self._shard_starts:
-                    if file is not None:
-                        file.close()
-                        self.sha256[Path(file.name).name] = digest.hexdigest()
+                    self._finish_shard(file, digest)
                     file, digest = self._open_shard(self._shard_starts[name])
                 data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
                 file.write(data.data)
                 digest.update(data.data)
                 self.bytes_written += data.nbytes
-            if file is not None:
-                file.close()
-                self.sha256[Path(file.name).name] = digest.hexdigest()
+            stopped = True
+            self._finish_shard(file, digest)
         except BaseException as err:  # surfaced in the caller's thread by write() / close()
             self._error = err
-            while self._queue.get() is not None:  # unblock the producer until it stops
+            while not stopped and self._queue.get() is not None:  # unblock the producer until it stops
                 pass
+        finally:
+            if file is not None and not file.closed:
+                file.close()
+
+    def _finish_shard(self, file: BinaryIO | None, digest) -> None:
+        if file is not None:
+            file.close()
+            self.sha256[Path(file.name).name] = digest.hexdigest()
 
     def _open_shard(self, index: int) -> tuple[BinaryIO, object]:
         header, offset = {"__metadata__": self.metadata}, 0

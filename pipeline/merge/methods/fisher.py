@@ -21,7 +21,7 @@ from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, re
 
 
 class Params(MethodParams):
-    floor: float = Field(1e-6, ge=0.0)
+    floor: float = Field(1e-6, gt=0.0)  # > 0: an all-zero Fisher must not divide by zero
 
 
 def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:

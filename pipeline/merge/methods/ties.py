@@ -2,7 +2,8 @@
 
 1. Trim: keep the top ``density`` fraction of each τ_k by magnitude (paper default 20 %).
 2. Elect: s = sign(Σ_k w_k τ̂_k); where that sum is exactly 0, the sign of Σ s (the tensor's
-   majority), as in the reference implementation.
+   majority; 0 when that is a tie too, so the entry stays 0), as in the reference
+   implementation. This keeps TIES odd, f(−τ) = −f(τ), which DiLoCo's sign convention needs.
 3. Disjoint mean over the entries that agree with s: Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree],
    the denominator clamped (an entry nobody keeps stays 0). Equal weights give the paper's
    plain disjoint mean. θ = θ0 + λ τ_merged.
@@ -92,11 +93,13 @@ def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext,
         if zero.any():  # exact cancellations: their sign is the tensor's majority, known at the end
             ties_at_zero.append((cols, zero.nonzero().view(-1)))
         out[cols] = _disjoint_mean(trimmed, weighted, w, torch.where(zero, 1.0, sign))
-    if sign_balance < 0:
+    majority = (sign_balance > 0) - (sign_balance < 0)
+    if majority != 1:  # the zero entries were computed with +1: redo them with the real majority
         for cols, positions in ties_at_zero:
             chunk = flat[:, cols][:, positions]
             trimmed = chunk * (chunk.abs() >= threshold)
-            out[cols][positions] = _disjoint_mean(trimmed, trimmed * w, w, -torch.ones(len(positions), device=flat.device))
+            sign = torch.full((len(positions),), float(majority), device=flat.device)
+            out[cols][positions] = _disjoint_mean(trimmed, trimmed * w, w, sign)
     return out.mul_(params.scale).view(shape)
 
 

@@ -1,0 +1,212 @@
+"""Per-source mean gradients at θ0 (MERIT step 2), sketched to a fixed dimension.
+
+g_d is the gradient of the instruction-tuning loss averaged over every supervised token of n
+calibration examples of source d: batches are weighted by their share of those tokens, so the
+result equals one backward pass over all n examples at once. No optimizer step is taken;
+gradients are computed only for the chosen parameters and the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from calibration.errors import CalibrationError
+from pipeline.checkpoint import write_json_atomic
+from pipeline.data import Collator, Encoded, Encoder, Example
+
+
+def select_parameters(model: torch.nn.Module, patterns: Sequence[str], matrices_only: bool = True) -> list[str]:
+    names = [
+        name for name, p in model.named_parameters()
+        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns) and (p.dim() == 2 or not matrices_only)
+    ]  # fmt: skip
+    if not names:
+        raise CalibrationError(f"no parameter matches {list(patterns)} (matrices_only={matrices_only})")
+    return names
+
+
+class Sketch:
+    """A seeded linear map from the concatenated gradient (D coordinates) to ``dim`` coordinates.
+
+    ``stride``: every s-th coordinate from a seeded offset, s = D // dim (the paper's
+    "stride-s subsampling"). ``projection``: a CountSketch, each coordinate added with a seeded
+    random sign into a seeded random bucket: an unbiased random projection that needs no D × dim
+    matrix (its hashes are regenerated per call, so memory stays O(largest tensor)).
+    When D ≤ dim both keep every coordinate.
+    """
+
+    def __init__(self, kind: str, sizes: Sequence[int], dim: int, seed: int):
+        self.kind, self.sizes, self.seed = kind, list(sizes), seed
+        self.total = sum(self.sizes)
+        self.dim = min(dim, self.total)
+        self.identity = self.dim == self.total
+        if kind == "stride" and not self.identity:
+            stride = self.total // self.dim
+            offset = random.Random(seed).randrange(stride)
+            picked = offset + stride * torch.arange(self.dim)
+            starts = torch.tensor([0, *self.sizes]).cumsum(0)
+            self._local = [picked[(picked >= a) & (picked < b)] - a for a, b in zip(starts[:-1], starts[1:])]
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        flat = [g.reshape(-1).float() for g in grads]
+        if self.identity:
+            return torch.cat(flat)
+        if self.kind == "stride":
+            return torch.cat([g[idx.to(g.device)] for g, idx in zip(flat, self._local)])
+        out = torch.zeros(self.dim, device=flat[0].device)
+        for j, g in enumerate(flat):
+            gen = torch.Generator(device=g.device).manual_seed(self.seed * 1_000_003 + j)
+            bucket = torch.randint(self.dim, g.shape, generator=gen, device=g.device)
+            sign = torch.randint(2, g.shape, generator=gen, device=g.device).mul_(2).sub_(1)
+            out.index_add_(0, bucket, g * sign)
+        return out
+
+
+@dataclass
+class SourceGradients:
+    sources: list[str]
+    matrix: torch.Tensor  # (S, dim) float32, CPU
+    examples: dict[str, int]
+    supervised_tokens: dict[str, int]
+    parameters: int  # coordinates before the sketch
+    sketch: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / ".gradients.safetensors.tmp"
+        save_file({"gradients": self.matrix.contiguous()}, str(tmp))
+        tmp.replace(folder / "gradients.safetensors")
+        meta = {k: v for k, v in self.__dict__.items() if k != "matrix"}
+        write_json_atomic(folder / "gradients.json", meta)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> SourceGradients:
+        import json
+
+        folder = Path(folder)
+        meta = json.loads((folder / "gradients.json").read_text())
+        return cls(matrix=load_file(str(folder / "gradients.safetensors"))["gradients"], **meta)
+
+
+def calibration_sample(examples: dict[str, list[Example]], n: int, seed: int) -> tuple[dict[str, list[Example]], list[str]]:
+    """A seeded sample of ``n`` examples per source; a smaller source gives all it has, and says so."""
+    sample, notes = {}, []
+    for name, items in examples.items():
+        if len(items) < n:
+            notes.append(f"source '{name}': {len(items)} examples, fewer than n={n}; using all of them")
+        order = list(range(len(items)))
+        random.Random(f"{seed}/calibration/{name}").shuffle(order)
+        sample[name] = [items[i] for i in sorted(order[:n])]
+    return sample, notes
+
+
+def estimate_source_gradients(
+    model: torch.nn.Module,
+    examples: dict[str, list[Example]],
+    encoder: Encoder,
+    collator: Collator,
+    param_names: Sequence[str],
+    sketch_kind: str = "stride",
+    dim: int = 16384,
+    batch_size: int = 16,
+    seed: int = 0,
+    devices: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SourceGradients:
+    """The S × dim matrix of sketched per-source mean gradients (``examples`` already sampled)."""
+    start = time.perf_counter()
+    params = dict(model.named_parameters())
+    sketch = Sketch(sketch_kind, [params[n].numel() for n in param_names], dim, seed)
+    replicas = _Replicas(model, param_names, devices or [str(next(model.parameters()).device)])
+    rows, used, tokens = [], {}, {}
+    try:
+        for name, items in examples.items():
+            if not items:
+                raise CalibrationError(f"source '{name}' has no calibration examples")
+            batches = [encoder.encode_batch(items[i : i + batch_size]) for i in range(0, len(items), batch_size)]
+            supervised = sum(e.num_supervised for batch in batches for e in batch)
+            if supervised == 0:
+                raise CalibrationError(f"source '{name}': no supervised tokens in its calibration examples")
+            row = replicas.mean_gradient(batches, collator, supervised, sketch)
+            if not torch.isfinite(row).all():
+                raise CalibrationError(f"source '{name}': the gradient contains NaN or Inf")
+            rows.append(row.cpu())
+            used[name], tokens[name] = len(items), supervised
+            if progress:
+                progress(name)
+    finally:
+        replicas.restore()
+    return SourceGradients(list(examples), torch.stack(rows), used, tokens, sketch.total, sketch_kind,
+                           time.perf_counter() - start)  # fmt: skip
+
+
+class _Replicas:
+    """The model on each device (data parallel over batches), with gradients enabled only for
+    the chosen parameters; :meth:`restore` puts the caller's model back as it was."""
+
+    def __init__(self, model: torch.nn.Module, param_names: Sequence[str], devices: Sequence[str]):
+        self.model, self.names = model, list(param_names)
+        self.saved = {n: p.requires_grad for n, p in model.named_parameters()}
+        self.was_training = model.training
+        wanted = set(self.names)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in wanted)
+        model.eval()
+        home = str(next(model.parameters()).device)
+        self.models = [model if d == home and i == 0 else copy.deepcopy(model).to(d) for i, d in enumerate(devices)]
+        self.devices = list(devices)
+
+    def mean_gradient(self, batches: list[list[Encoded]], collator: Collator, supervised: int,
+                      sketch: Sketch) -> torch.Tensor:  # fmt: skip
+        parts: list[torch.Tensor | None] = [None] * len(self.models)
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            try:
+                model, device = self.models[k], self.devices[k]
+                model.zero_grad(set_to_none=True)
+                for batch in batches[k :: len(self.models)]:
+                    inputs = {key: v.to(device) for key, v in collator(batch).items()}
+                    share = sum(e.num_supervised for e in batch) / supervised
+                    (model(**inputs).loss * share).backward()
+                params = dict(model.named_parameters())
+                grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in self.names]
+                parts[k] = sketch(grads).to(self.devices[0])
+                model.zero_grad(set_to_none=True)
+            except BaseException as err:  # re-raised in the caller's thread
+                errors.append(err)
+
+        if len(self.models) == 1:
+            work(0)
+        else:
+            threads = [threading.Thread(target=work, args=(k,)) for k in range(len(self.models))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return torch.stack(parts).sum(0)
+
+    def restore(self) -> None:
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(self.saved[n])
+            p.grad = None
+        self.model.train(self.was_training)
+
+
+def default_devices() -> list[str]:
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]

@@ -1,0 +1,199 @@
+"""MERIT calibration: gradients at θ0, sketches, conflicts and the split plan."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from calibration.errors import CalibrationError, SplitError
+from calibration.gradients import Sketch, calibration_sample, estimate_source_gradients, select_parameters
+from calibration.split import conflict_matrix, plan_split
+from conftest import small_config
+from pipeline.data import Collator, Encoder, load_sources
+from pipeline.data.builtin import CONFLICTS
+from pipeline.models import build_tiny_model, load_model
+
+ROOT = Path(__file__).parent.parent
+LANGUAGE_BLOCKS = ["model.language_model.layers.*"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_run, processor):
+    cfg, run_dir = tiny_run
+    model = load_model(run_dir / "init", cfg.model)
+    examples = load_sources(small_config("data.builtin.examples_per_source=24").data, 0).examples
+    return model, examples, Encoder(processor, 256), Collator(processor.tokenizer.pad_token_id)
+
+
+def estimate(model, examples, encoder, collator, **kw):
+    names = select_parameters(model, LANGUAGE_BLOCKS)
+    return estimate_source_gradients(model, examples, encoder, collator, names, **{"dim": 10**9, **kw}), names
+
+
+def test_gradients_match_a_direct_computation_and_leave_the_model_unchanged(setup):
+    model, examples, encoder, collator = setup
+    sample = {s: examples[s][:7] for s in ("colour_name", "add_words", "caption")}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    result, names = estimate(model, sample, encoder, collator, batch_size=3)  # batches of 3, 3, 1
+    for row, (source, items) in zip(result.matrix, sample.items()):
+        model.zero_grad()
+        model(**collator(encoder.encode_batch(items))).loss.backward()  # one batch: the exact mean
+        params = dict(model.named_parameters())
+        direct = torch.cat([params[n].grad.reshape(-1) for n in names])
+        torch.testing.assert_close(row, direct, rtol=1e-4, atol=1e-7, msg=source)
+    model.zero_grad(set_to_none=True)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert result.examples == {s: 7 for s in sample} and result.parameters == result.matrix.shape[1]
+    assert all(n.startswith("model.language_model.layers.") and "weight" in n for n in names)
+
+
+def test_data_parallel_replicas_give_the_same_gradients(setup):
+    model, examples, encoder, collator = setup
+    sample = {s: examples[s][:10] for s in ("count_digits", "uppercase")}
+    one, _ = estimate(model, sample, encoder, collator, batch_size=2)
+    two, _ = estimate(model, sample, encoder, collator, batch_size=2, devices=["cpu", "cpu"])
+    torch.testing.assert_close(one.matrix, two.matrix, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind, tolerance", [("stride", 0.15), ("projection", 0.15)])
+def test_sketch_preserves_cosines(setup, kind, tolerance):
+    """At dim = D/4 the sketched cosine conflicts stay within the stated tolerance of the exact ones."""
+    model, examples, encoder, collator = setup
+    sample = {s: items[:8] for s, items in examples.items()}
+    full, names = estimate(model, sample, encoder, collator)
+    sketched, _ = estimate(model, sample, encoder, collator, dim=full.parameters // 4, sketch_kind=kind)
+    assert sketched.matrix.shape == (18, full.parameters // 4)
+    error = (conflict_matrix(sketched.matrix) - conflict_matrix(full.matrix)).abs().max()
+    assert error < tolerance
+
+
+def test_sketch_is_linear_and_seeded():
+    g = [torch.randn(30, 20), torch.randn(50)]
+    for kind in ("stride", "projection"):
+        sketch = Sketch(kind, [600, 50], 64, seed=3)
+        torch.testing.assert_close(sketch([2 * g[0], g[1] * 2]), 2 * sketch(g))
+        assert torch.equal(sketch(g), Sketch(kind, [600, 50], 64, seed=3)(g))
+        assert len({tuple(Sketch(kind, [600, 50], 64, seed=s)(g).tolist()) for s in range(5)}) > 1
+    assert Sketch("stride", [600, 50], 10_000, 0)(g).numel() == 650  # no reduction below the size
+
+
+def test_nan_gradient_names_the_source(setup):
+    model, examples, encoder, collator = setup
+    broken = build_tiny_model(small_config().model, 0)[0]
+    with torch.no_grad():
+        broken.model.language_model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(CalibrationError, match="source 'read_word': the gradient contains NaN"):
+        estimate(broken, {"read_word": examples["read_word"][:2]}, encoder, collator)
+
+
+def test_small_sources_use_what_they_have_and_say_so(setup):
+    _, examples, _, _ = setup
+    sample, notes = calibration_sample({"a": examples["subtract"][:5], "b": examples["caption"]}, 8, seed=0)
+    assert len(sample["a"]) == 5 and len(sample["b"]) == 8
+    assert notes == ["source 'a': 5 examples, fewer than n=8; using all of them"]
+    again, _ = calibration_sample({"b": examples["caption"]}, 8, seed=0)
+    assert [e.index for e in again["b"]] == [e.index for e in sample["b"]]
+
+
+# --- the split plan -----------------------------------------------------------------------------
+
+def block_conflicts(n_per_camp=4, noise=0.05, seed=0):
+    """Two camps of sources that agree inside and conflict across: cosine ≈ +1 / −1."""
+    g = torch.Generator().manual_seed(seed)
+    axis = torch.randn(64, generator=g)
+    rows = [(1 if i < n_per_camp else -1) * axis + noise * torch.randn(64, generator=g) for i in range(2 * n_per_camp)]
+    return conflict_matrix(torch.stack(rows))
+
+
+def test_pca_split_follows_the_conflict_axis_with_balanced_tokens():
+    sources = [f"s{i}" for i in range(8)]
+    tokens = dict(zip(sources, [100, 120, 90, 110, 105, 95, 100, 100]))
+    plan = plan_split(sources, tokens, r=1, method="pca", conflicts=block_conflicts())
+    assert sorted(map(sorted, plan.groups)) == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"]]
+    assert plan.tokens == [sum(tokens[s] for s in g) for g in plan.groups]
+    assert plan.explained_variance[0] > 0.9
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_recursive_median_split_sizes_and_balance(r):
+    rng = np.random.default_rng(r)
+    sources = [f"s{i}" for i in range(20)]
+    tokens = {s: int(t) for s, t in zip(sources, rng.integers(50, 150, 20))}
+    x = torch.tensor(rng.normal(size=(20, 16)), dtype=torch.float32)
+    plan = plan_split(sources, tokens, r=r, method="pca", conflicts=conflict_matrix(x))
+    assert len(plan.groups) == 2**r and all(plan.groups)
+    assert sorted(s for g in plan.groups for s in g) == sorted(sources)
+    assert max(plan.tokens) / min(plan.tokens) < 1.6  # balanced by tokens, not by count
+    assert len(plan.explained_variance) == r and all(len(v) == r for v in plan.scores.values())
+
+
+def test_random_and_given_splits():
+    sources = [f"s{i}" for i in range(8)]
+    tokens = dict.fromkeys(sources, 10)
+    a, b = (plan_split(sources, tokens, r=2, method="random", seed=s) for s in (1, 1))
+    assert a.groups == b.groups and len(a.groups) == 4 and a.tokens == [20] * 4
+    assert plan_split(sources, tokens, r=2, method="random", seed=2).groups != a.groups
+    given = plan_split(sources, tokens, method="given", groups=[sources[:3], sources[3:]])
+    assert given.r == 1 and given.tokens == [30, 50] and given.method == "given"
+    with pytest.raises(SplitError, match=r"missing \['s7'\].*repeated \['s0'\]"):
+        plan_split(sources, tokens, method="given", groups=[sources[:3], sources[:1] + sources[3:7]])
+
+
+def test_split_refusals():
+    sources = ["a", "b", "c"]
+    with pytest.raises(SplitError, match="2\\^r = 4 groups but there are only 3 sources"):
+        plan_split(sources, dict.fromkeys(sources, 1), r=2, method="random")
+    with pytest.raises(SplitError, match="zero gradient"):
+        conflict_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+
+
+def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
+    """After a short joint warm-up (a merge-ready θ0), every designed conflict pair of the
+    built-in corpus lands in different groups of the r = 1 PCA split."""
+    _, examples, encoder, collator = setup
+    model, _ = build_tiny_model(small_config().model, 0)
+    pool = encoder.encode_batch([e for group in itertools.zip_longest(*examples.values()) for e in group if e])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        model(**collator([pool[i] for i in rng.choice(len(pool), 32, replace=False)])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    grads, _ = estimate(model, {s: items[:16] for s, items in examples.items()}, encoder, collator, dim=16384)
+    tokens = dict.fromkeys(examples, 100)
+    plan = plan_split(grads.sources, tokens, r=1, method="pca", conflicts=conflict_matrix(grads.matrix))
+    group = plan.group_of()
+    assert [(a, b) for a, b in CONFLICTS if group[a] == group[b]] == []
+
+
+def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
+    common = ["--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=12"]
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "demo", "configs/demo.yaml", *common], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path), "--diagnostics",
+                          "--set", "calibration.n_per_source=12", "--set", "calibration.resamples=2",
+                          "--set", "calibration.reference_n=16", "--set", "calibration.r=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "fewer than n=12" in run.stdout  # 12 examples, 10 of them for training
+    out = tmp_path / "calibration"
+    split = json.loads((out / "split.json").read_text())
+    assert len(split["groups"]) == 4 and split["r"] == 2 and split["method"] == "pca"
+    assert set(split) >= {"groups", "tokens", "r", "explained_variance", "method", "seed"}
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert sum(split["tokens"]) == sum(v["train_tokens"] for v in manifest["sources"].values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 <= summary["diagnostics"]["mean_ari"] <= 1 and summary["gradient_seconds"] > 0
+    for png in ("conflicts.png", "axes.png", "explained_variance.png", "accuracy_vs_n.png"):
+        assert (out / png).stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path),
+                          "--set", "calibration.r=5"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "2^r = 32 groups but there are only 18 sources" in bad.stderr
