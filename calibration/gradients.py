@@ -119,7 +119,7 @@ def estimate_source_gradients(
     encoder: Encoder,
     collator: Collator,
     param_names: Sequence[str],
-    sketch_kind: str = "stride",
+    sketch_kind: str = "projection",
     dim: int = 16384,
     batch_size: int = 16,
     seed: int = 0,

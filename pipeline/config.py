@@ -121,7 +121,7 @@ class CalibrationSection(Section):
     # blocks' 2-D weights.
     params: list[str] = ["model.language_model.layers.*"]
     matrices_only: bool = True
-    sketch: Literal["stride", "projection"] = "stride"
+    sketch: Literal["stride", "projection"] = "projection"  # measured: README, "Calibration"
     dim: int = Field(16384, ge=16)
     centre: bool = False
     r: int = Field(1, ge=1)

@@ -62,7 +62,7 @@ def test_data_parallel_replicas_give_the_same_gradients(setup):
     torch.testing.assert_close(one.matrix, two.matrix, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind, tolerance", [("stride", 0.15), ("projection", 0.15)])
+@pytest.mark.parametrize("kind, tolerance", [("stride", 0.35), ("projection", 0.05)])
 def test_sketch_preserves_cosines(setup, kind, tolerance):
     """At dim = D/4 the sketched cosine conflicts stay within the stated tolerance of the exact ones."""
     model, examples, encoder, collator = setup
