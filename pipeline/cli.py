@@ -30,9 +30,11 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain text table: numbers right-aligned with thousands separators, text left-aligned."""
+    numeric = [all(isinstance(row[i], (int, float)) or row[i] == "" for row in rows) for i in range(len(headers))]
     cells = [[str(h) for h in headers], *[[f"{v:,}" if isinstance(v, int) else str(v) for v in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -73,9 +75,10 @@ def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
+    """The pipeline's stages so far, in order, on one run directory."""
     cmd_init(args)
     cmd_prepare(args)
-    print(f"run directory: {resolve_run(args)[1]}")
+    cmd_calibrate(args)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -131,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="load, split and encode the data sources")
     add_run_options(prepare).set_defaults(func=cmd_prepare)
     add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
-    demo = sub.add_parser("demo", help="the offline default: init and prepare, then print the summary")
-    add_run_options(demo).set_defaults(func=cmd_demo)
+    demo = sub.add_parser("demo", help="the offline default: init, prepare and calibrate, with summaries")
+    add_run_options(demo).add_argument("--diagnostics", action="store_true", help="calibration diagnostics too")
+    demo.set_defaults(func=cmd_demo)
 
     calibrate = sub.add_parser("calibrate", help="per-source gradient conflicts at θ0 and the MERIT split")
     add_run_options(calibrate).add_argument("--diagnostics", action="store_true",

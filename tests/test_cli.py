@@ -23,6 +23,7 @@ def test_demo_prints_the_summary_and_keeps_the_resolved_config(tmp_path):
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["data"]["builtin"]["examples_per_source"] == 10
     assert (tmp_path / "init" / "manifest.json").is_file() and (tmp_path / "data" / "manifest.json").is_file()
+    assert "split into 2 groups" in run.stdout and (tmp_path / "calibration" / "split.json").is_file()
     # Any stage re-runs alone from the run directory's resolved config.
     again = merit("prepare", "--run-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
