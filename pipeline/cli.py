@@ -34,7 +34,8 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     numeric = [all(isinstance(row[i], (int, float)) or row[i] == "" for row in rows) for i in range(len(headers))]
     cells = [[str(h) for h in headers], *[[f"{v:,}" if isinstance(v, int) else str(v) for v in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in cells]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

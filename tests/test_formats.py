@@ -96,3 +96,11 @@ def test_builtin_task_selection(tmp_path):
     assert {k: len(v) for k, v in loaded.examples.items()} == {"add_digits": 3, "caption": 3}
     with pytest.raises(ValueError, match="unknown built-in tasks"):
         load(tmp_path, {"name": "b", "format": "builtin", "tasks": ["nope"]})
+
+
+def test_a_dataset_dict_folder_is_named(tmp_path):
+    from pipeline.data import DataError
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"messages": [[]]})}).save_to_disk(tmp_path / "dd")
+    with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train'\]"):
+        load(tmp_path, {"name": "h", "format": "hf_disk", "path": str(tmp_path / "dd")})

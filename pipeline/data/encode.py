@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from qwen_vl_utils import process_vision_info
 
-from pipeline.data.example import Example
+from pipeline.data.example import DataError, Example
 
 IGNORE_INDEX = -100
 
@@ -74,10 +74,12 @@ class Encoder:
         try:
             batch = self.processor(text=texts, images=sum(images, []) or None, padding=True, return_tensors="pt")
         except (ValueError, OSError) as err:
-            if len(examples) > 1:  # find and name the record at fault
-                for example in examples:
-                    self(example)
-            raise examples[0].error(f"cannot encode: {err}") from err
+            if len(examples) == 1:
+                raise examples[0].error(f"cannot encode: {err}") from err
+            for example in examples:  # find and name the record at fault
+                self(example)
+            records = [e.index for e in examples]
+            raise DataError(examples[0].origin, None, f"records {records} cannot be encoded together: {err}") from err
         rows = [batch["input_ids"][r][batch["attention_mask"][r].bool()] for r in range(len(examples))]
         out = self._assemble(rows, [len(i) for i in images], batch.get("pixel_values"), batch.get("image_grid_thw"))
         return [self._truncate(enc) if enc.num_tokens > self.max_length else enc for enc in out]

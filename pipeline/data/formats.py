@@ -55,9 +55,12 @@ def read_hf_disk_records(path: Path) -> Iterable[Any]:
     import datasets  # heavy import, only for this format
 
     try:
-        return datasets.load_from_disk(str(path))
+        dataset = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as err:
         raise DataError(str(path), None, f"not a dataset saved with save_to_disk: {err}") from err
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DataError(str(path), None, f"a DatasetDict with splits {sorted(dataset)}: point path at one split's folder")
+    return dataset
 
 
 class RecordParser:
