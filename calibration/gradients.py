@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from calibration.errors import CalibrationError
 from pipeline.checkpoint import write_json_atomic
@@ -91,14 +91,6 @@ class SourceGradients:
         tmp.replace(folder / "gradients.safetensors")
         meta = {k: v for k, v in self.__dict__.items() if k != "matrix"}
         write_json_atomic(folder / "gradients.json", meta)
-
-    @classmethod
-    def load(cls, folder: str | Path) -> SourceGradients:
-        import json
-
-        folder = Path(folder)
-        meta = json.loads((folder / "gradients.json").read_text())
-        return cls(matrix=load_file(str(folder / "gradients.safetensors"))["gradients"], **meta)
 
 
 def calibration_sample(examples: dict[str, list[Example]], n: int, seed: int) -> tuple[dict[str, list[Example]], list[str]]:
