@@ -217,3 +217,31 @@ def test_fisher_helper_and_fisher_merge(branches, tiny_run, processor, tmp_path)
 def test_example_merge_specs_validate(example):
     spec = MergeSpec.from_yaml(example)
     assert spec.base_model and len(spec.models) >= 2 and spec.out_path
+
+
+def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
+    """Failure injection: SIGKILL `merit merge` while it writes; nothing that looks whole is left,
+    and running the same spec again completes (the killed writer's leftovers are removed)."""
+    import os
+    import signal
+    import time
+
+    from pipeline.bench.merge import generate
+
+    base, models = generate(tmp_path, 3, size_mb=48)
+    out = tmp_path / "merged"
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"base_model": str(base), "models": [{"path": str(p)} for p in models],
+                                         "method": "ties", "out_path": str(out), "max_shard_size": 8_000_000}))  # fmt: skip
+    command = [sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(p.glob("*.safetensors") for p in tmp_path.glob(".merged.tmp-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the merge ended before it could be killed"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and list(tmp_path.glob(".merged.tmp-*"))
+    rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert verify_checkpoint(out)["kind"] == "merge" and not list(tmp_path.glob(".merged.tmp-*"))
