@@ -78,7 +78,7 @@ def merge_tensor(method: MergeMethod, params: MethodParams, ctx: TensorContext, 
         return out
     stack = None
     for k, loader in enumerate(inputs):
-        t = load(loader)
+        t = load(loader).to(device)  # move in the stored dtype (bf16: half the bytes), convert there
         if stack is None:
             flat = (workspace or Workspace()).get(len(inputs) * t.numel(), device)
             stack = flat.view(len(inputs), *t.shape)
