@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
+    bench = add_run_options(benches.add_parser("train", help="branch trainer vs a plain PyTorch loop; 1 vs 2 ranks"))
+    bench.add_argument("--steps", type=int, default=30, help="optimizer steps per measurement")
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")

@@ -138,11 +138,31 @@ class CalibrationSection(Section):
         return self
 
 
+class TrainSection(Section):
+    """One branch's training (also the joint baseline and DiLoCo's inner steps)."""
+
+    steps: int = Field(100, ge=1)  # optimizer steps
+    micro_batch: int = Field(8, ge=1)  # per process
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.1, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr × this
+    clip: float = Field(1.0, gt=0)
+    sampling: Literal["tokens", "uniform"] = "tokens"  # source draw ∝ training tokens, or uniform
+    deepspeed: str = "configs/deepspeed/zero2.json"
+    processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
+    checkpoint_every: int = Field(50, ge=1)
+    timeout_s: int = Field(6 * 3600, ge=1)
+
+
 class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     calibration: CalibrationSection = CalibrationSection()
+    train: TrainSection = TrainSection()
 
     def digest(self, *sections: str) -> str:
         """A stable hash of some sections, used to decide whether a stage's outputs are stale."""

@@ -1,0 +1,102 @@
+"""Launch one branch as its own process group: ``torch.distributed.run`` with N processes (NCCL
+on GPUs, gloo on CPU). One subprocess per branch keeps DeepSpeed's global state (ZeRO-3
+partitioning) out of the caller. The subprocess' exit code becomes an exception; a timeout
+kills its whole process group; its output is streamed to the caller and to ``train.log``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.train.spec import BranchSpec
+
+KILLED = {137: "SIGKILL", 143: "SIGTERM", -9: "SIGKILL", -15: "SIGTERM"}
+
+
+class BranchFailed(RuntimeError):
+    """A branch's training process group exited with an error; the message names the branch."""
+
+    def __init__(self, name: str, code: int, log: Path):
+        self.name, self.code, self.killed = name, code, code in KILLED
+        why = f"killed ({KILLED[code]})" if self.killed else f"exit code {code}"
+        super().__init__(f"branch {name}: training {why}; see {log}")
+
+
+@dataclass
+class BranchResult:
+    name: str
+    final: str
+    steps: int
+    tokens_seen: int
+    seconds: float
+    resumed: bool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(spec_path: Path, processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "pipeline.train.worker", str(spec_path)]  # fmt: skip
+
+
+def train_branch(spec: BranchSpec, echo: bool = True) -> BranchResult:
+    """Train (or resume, or skip if already complete) one branch; returns a small result."""
+    out, final = Path(spec.out_dir), Path(spec.out_dir) / "final"
+    if is_complete(final):
+        return _result(spec, final, 0.0, resumed=False)
+    spec.validate_inputs()
+    spec_path = spec.save(out / "spec.json")
+    resumed = (out / "checkpoints" / "latest.json").is_file()
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))}  # fmt: skip
+    start = time.perf_counter()
+    log = out / "train.log"
+    with open(log, "a") as log_file:
+        proc = subprocess.Popen(command(spec_path, spec.train.processes), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, start_new_session=True)  # fmt: skip
+        pump = threading.Thread(target=_pump, args=(proc, log_file, echo), daemon=True)
+        pump.start()
+        try:
+            code = proc.wait(timeout=spec.train.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+            proc.wait()
+            raise TimeoutError(f"branch {spec.name}: no result after {spec.train.timeout_s} s; see {log}") from None
+        finally:
+            pump.join(timeout=5)
+    if code != 0:
+        _kill_group(proc.pid)  # ranks of a killed launcher must not outlive it
+        raise BranchFailed(spec.name, code, log)
+    return _result(spec, final, time.perf_counter() - start, resumed)
+
+
+def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
+    for line in proc.stdout:
+        log_file.write(line)
+        log_file.flush()
+        if echo:
+            print(line, end="", flush=True)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _result(spec: BranchSpec, final: Path, seconds: float, resumed: bool) -> BranchResult:
+    manifest = read_manifest(final)
+    return BranchResult(spec.name, str(final), manifest["step"], manifest["tokens_seen"], seconds, resumed)

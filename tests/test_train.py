@@ -1,0 +1,99 @@
+"""Branch training through real DeepSpeed processes (gloo on CPU) on the tiny model."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from pipeline.checkpoint import verify_checkpoint
+from pipeline.cli import main as merit
+from pipeline.config import load_config
+from pipeline.train import BranchFailed, BranchSpec, train_branch
+from pipeline.train.launch import command
+
+ROOT = Path(__file__).parent.parent
+SOURCES = ["colour_name", "add_digits", "caption"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("train-run")
+    assert merit(["demo", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), "--set", "data.builtin.examples_per_source=24",
+                  "--set", "calibration.n_per_source=4"]) == 0  # fmt: skip
+    return run
+
+
+def spec(run_dir: Path, out: Path, *overrides: str, sources=SOURCES) -> BranchSpec:
+    cfg = load_config(run_dir / "config.yaml", ["train.steps=12", "train.micro_batch=4", "train.checkpoint_every=4",
+                                                f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json", *overrides])  # fmt: skip
+    return BranchSpec(name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "final" / "model.safetensors")
+
+
+@pytest.mark.parametrize("zero, processes", [(0, 1), (2, 2), (3, 2)])
+def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero, processes):
+    out = tmp_path / f"z{zero}p{processes}"
+    result = train_branch(spec(run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json",
+                               f"train.processes={processes}"), echo=False)  # fmt: skip
+    assert result.steps == 12 and result.tokens_seen > 0 and not result.resumed
+    manifest = verify_checkpoint(out / "final")
+    assert manifest["step"] == 12 and manifest["sources"] == SOURCES and manifest["parent"] == str(run_dir / "init")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # loss falls on these sources
+    assert records[-1]["tokens"] == result.tokens_seen and all(r["tokens_per_s"] > 0 for r in records)
+    assert (out / "loss.png").stat().st_size > 5_000
+    model = AutoModelForImageTextToText.from_pretrained(out / "final")
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    changed = load_file(run_dir / "init" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(weights(out)["model.layers.0.mlp.up_proj.weight"], changed)
+    again = train_branch(spec(run_dir, out), echo=False)  # complete: skipped, nothing retrained
+    assert again.steps == 12 and again.seconds == 0.0
+
+
+def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):
+    reference = train_branch(spec(run_dir, tmp_path / "straight"), echo=False)
+    killed = spec(run_dir, tmp_path / "killed")
+    spec_path = killed.save(tmp_path / "killed" / "spec.json")
+    proc = subprocess.Popen(command(spec_path, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
+    while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "final").exists()
+    resumed = train_branch(killed, echo=False)
+    assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "killed")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))  # records after the checkpoint were rewritten, not duplicated
+
+
+def test_bad_specs_fail_before_launching(run_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown sources \['nope'\]"):
+        train_branch(spec(run_dir, tmp_path / "a", sources=["nope"]), echo=False)
+    with pytest.raises(ValueError, match="init checkpoint .* missing"):
+        train_branch(spec(run_dir, tmp_path / "b").model_copy(update={"init": str(tmp_path / "absent")}), echo=False)
+    with pytest.raises(Exception, match="train.steps"):
+        spec(run_dir, tmp_path / "c", "train.steps=0")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_failing_branch_names_itself(run_dir, tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(BranchFailed, match=r"branch failing: training exit code \d+; see .*train.log"):
+        train_branch(spec(run_dir, tmp_path / "failing", f"train.deepspeed={broken}"), echo=False)
