@@ -49,6 +49,8 @@ class TinyModelSection(Section):
     vision_hidden_size: int = Field(32, ge=8)
     vision_intermediate_size: int = Field(64, ge=8)
     vision_heads: int = Field(2, ge=1)
+    vision_window: int = Field(56, ge=28)  # pixels; Qwen2.5-VL uses 112
+    embedding_rows: int | None = Field(None, ge=300)  # default: the tokenizer's size (Qwen: 151,936)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelSection:

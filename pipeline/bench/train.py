@@ -1,6 +1,12 @@
 """``merit bench train``: tokens/s of the branch trainer (DeepSpeed in its own process group)
 beside a plain PyTorch loop on the same model, data order, batch and optimizer, in the same run;
-then 1 vs 2 ranks. Target: the trainer's overhead ≤ 15 %."""
+then 1 vs 2 ranks. Target: the trainer's overhead ≤ 15 %.
+
+``--size 3b`` (the default with ``--device cuda``): a randomly initialised Qwen2.5-VL at the 3B
+model's widths, bf16, ZeRO-2, one GPU, trained by the same branch trainer on the built-in corpus
+with 448×448 images: tokens/s and model FLOPs utilisation, 6 · (N_language + 4 · f · N_vision)
+FLOPs per token, f the share of image tokens (each image token is 2×2 = 4 vision patches).
+``--size small`` runs that path at a width a CPU can take, to check it without a GPU."""
 
 from __future__ import annotations
 
@@ -13,9 +19,14 @@ from pathlib import Path
 
 import torch
 
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.cli import resolve_run
 from pipeline.data import Collator, Encoder, active_sources, load_split, prepare_data, read_manifest
-from pipeline.models import init_model, load_model, load_processor, processor_for
+from pipeline.models import build_tiny_processor, count_parameters, init_model, load_model, load_processor, processor_for
+from pipeline.models.loading import DTYPES
+from pipeline.models.tiny import tiny_config
 from pipeline.train import BranchSpec, train_branch
 from pipeline.train.sampling import BatchOrder
 from pipeline.train.worker import lr_lambda
@@ -53,11 +64,29 @@ def plain_loop(spec: BranchSpec) -> float:
 
 def trainer_rate(spec: BranchSpec) -> float:
     train_branch(spec, echo=False)
-    records = [json.loads(line) for line in (Path(spec.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return trainer_rate_from(Path(spec.out_dir))
+
+
+def trainer_rate_from(out: Path) -> float:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["tokens_per_s"] for r in records[WARMUP_STEPS:])
 
 
+# Shapes for model.tiny: Qwen2.5-VL-3B's widths, and a small one for a CPU check of that path.
+SIZES = {
+    "3b": {"hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36, "num_heads": 16, "num_kv_heads": 2,
+           "vision_depth": 32, "vision_hidden_size": 1280, "vision_intermediate_size": 3420, "vision_heads": 16,
+           "vision_window": 112, "embedding_rows": 151936},
+    "small": {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+              "vision_depth": 8, "vision_hidden_size": 64, "vision_intermediate_size": 128, "vision_heads": 2,
+              "vision_window": 112},
+}  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> None:
+    size = args.size or ("3b" if args.device == "cuda" else "tiny")
+    if size != "tiny":
+        return real_width(args, size)
     cfg, run_dir = resolve_run(args)
     cfg.train.steps, cfg.train.checkpoint_every = args.steps, 10**9
     init_model(cfg, run_dir)
@@ -80,3 +109,48 @@ def main(args: argparse.Namespace) -> None:
     print(f"plain PyTorch loop, 1 process:   {plain:10.0f} tokens/s")
     print(f"branch trainer, 1 rank:          {one:10.0f} tokens/s  (overhead {100 * (plain / one - 1):5.1f} %, target <= 15 %)")
     print(f"branch trainer, 2 ranks (gloo):  {two:10.0f} tokens/s  ({two / one:.2f}x one rank; global batch doubles)")
+
+
+def real_width(args: argparse.Namespace, size: str) -> None:
+    """One branch of a random Qwen2.5-VL at a real width on one device: tokens/s and MFU."""
+    cuda = args.device == "cuda"
+    args.overrides = [
+        *args.overrides, *(f"model.tiny.{k}={v}" for k, v in SIZES[size].items()),
+        f"model.dtype={'bfloat16' if cuda else 'float32'}", "model.min_pixels=200704", "model.max_pixels=200704",
+        "data.builtin.image_size=448", "data.builtin.examples_per_source=64", f"train.steps={args.steps}",
+        f"train.micro_batch={args.micro_batch}", "train.deepspeed=configs/deepspeed/zero2.json", "train.processes=1",
+        f"train.checkpoint_every={10**9}", "train.warmup_ratio=0.1",
+    ]  # fmt: skip
+    cfg, run_dir = resolve_run(args)
+    processor = build_tiny_processor(cfg.model, cfg.run.seed)
+    start = time.perf_counter()
+    with torch.device("cuda" if cuda else "cpu"):
+        model = Qwen2_5_VLForConditionalGeneration(tiny_config(cfg.model.tiny, processor.tokenizer)).to(DTYPES[cfg.model.dtype])
+    n_vision = sum(p.numel() for p in model.model.visual.parameters())
+    n_total = count_parameters(model)["total"]
+    save_pretrained_checkpoint(Path(run_dir) / "init", model, processor, step=0, tokens_seen=0, parent=None,
+                               config_digest=cfg.digest("model", "run"), parameters=count_parameters(model))  # fmt: skip
+    del model
+    built = time.perf_counter() - start
+    prepare_data(cfg, run_dir, processor)
+    sources = list(active_sources(read_manifest(run_dir)))
+    train = load_split(cfg, run_dir, "train", sources)
+    ids = torch.cat([ex.token_ids for exs in train.values() for ex in exs])
+    image_share = float((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).float().mean())
+    out = Path(run_dir) / "branches" / "bench"
+    spec = BranchSpec(name="bench", run_dir=str(run_dir), init=str(Path(run_dir) / "init"), sources=sources,
+                      out_dir=str(out), config=cfg)  # fmt: skip
+    start = time.perf_counter()
+    train_branch(spec, echo=False)
+    trained = time.perf_counter() - start
+    rate = trainer_rate_from(out)
+    flops_per_token = 6 * ((n_total - n_vision) + 4 * image_share * n_vision)
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"Qwen2.5-VL at the {size} widths: {n_total / 1e6:,.1f} M parameters ({n_vision / 1e6:,.1f} M vision), "
+          f"{cfg.model.dtype}, ZeRO-2, 1 {device}")  # fmt: skip
+    print(f"micro batch {cfg.train.micro_batch}, {args.steps} steps, image tokens {100 * image_share:.0f} % of the input; "
+          f"model built and saved in {built:.0f} s, branch trained in {trained:.0f} s")  # fmt: skip
+    print(f"tokens/s (median after {WARMUP_STEPS} steps): {rate:,.0f}")
+    if args.peak_tflops:
+        print(f"model FLOPs utilisation: {100 * flops_per_token * rate / (args.peak_tflops * 1e12):.1f} % "
+              f"of {args.peak_tflops:.0f} TFLOP/s")  # fmt: skip

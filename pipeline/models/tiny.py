@@ -70,7 +70,7 @@ def tiny_config(tiny: TinyModelSection, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VL
     mrope.append(half_head - sum(mrope))
     return Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": len(tokenizer),
+            "vocab_size": max(len(tokenizer), tiny.embedding_rows or 0),
             "hidden_size": tiny.hidden_size,
             "intermediate_size": tiny.intermediate_size,
             "num_hidden_layers": tiny.num_layers,
@@ -89,8 +89,9 @@ def tiny_config(tiny: TinyModelSection, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VL
             "intermediate_size": tiny.vision_intermediate_size,
             "num_heads": tiny.vision_heads,
             "out_hidden_size": tiny.hidden_size,
-            "window_size": 56,
-            "fullatt_block_indexes": [tiny.vision_depth - 1],
+            "window_size": tiny.vision_window,
+            # Qwen2.5-VL: every 8th block attends to the whole image, the others to windows.
+            "fullatt_block_indexes": list(range(7, tiny.vision_depth, 8)) or [tiny.vision_depth - 1],
         },
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
