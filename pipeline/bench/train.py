@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -84,6 +85,8 @@ SIZES = {
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.steps <= WARMUP_STEPS:
+        raise SystemExit(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the rates")
     size = args.size or ("3b" if args.device == "cuda" else "tiny")
     if size != "tiny":
         return real_width(args, size)
@@ -138,6 +141,7 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     ids = torch.cat([ex.token_ids for exs in train.values() for ex in exs])
     image_share = float((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).float().mean())
     out = Path(run_dir) / "branches" / "bench"
+    shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped: measure afresh
     spec = BranchSpec(name="bench", run_dir=str(run_dir), init=str(Path(run_dir) / "init"), sources=sources,
                       out_dir=str(out), config=cfg)  # fmt: skip
     start = time.perf_counter()

@@ -19,14 +19,18 @@ from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.train.spec import BranchSpec
 
 KILLED = {137: "SIGKILL", 143: "SIGTERM", -9: "SIGKILL", -15: "SIGTERM"}
+# torchrun exits 1 when a rank dies by a signal; its report names the signal.
+RANK_KILLED = ("Signal 9 (SIGKILL)", "Signal 15 (SIGTERM)")
 
 
 class BranchFailed(RuntimeError):
     """A branch's training process group exited with an error; the message names the branch."""
 
     def __init__(self, name: str, code: int, log: Path):
-        self.name, self.code, self.killed = name, code, code in KILLED
-        why = f"killed ({KILLED[code]})" if self.killed else f"exit code {code}"
+        tail = log.read_text(errors="replace")[-20_000:] if log.is_file() else ""
+        signal_name = KILLED.get(code) or next((s.split("(")[1].rstrip(")") for s in RANK_KILLED if s in tail), None)
+        self.name, self.code, self.killed = name, code, signal_name is not None
+        why = f"killed ({signal_name})" if self.killed else f"exit code {code}"
         super().__init__(f"branch {name}: training {why}; see {log}")
 
 
@@ -65,15 +69,21 @@ def train_branch(spec: BranchSpec, echo: bool = True) -> BranchResult:
     log = out / "train.log"
     with open(log, "a") as log_file:
         proc = subprocess.Popen(command(spec_path, spec.train.processes), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)  # fmt: skip
+                                text=True, errors="replace", env=env, start_new_session=True)  # fmt: skip
         pump = threading.Thread(target=_pump, args=(proc, log_file, echo), daemon=True)
         pump.start()
         try:
             code = proc.wait(timeout=spec.train.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+            _kill_group(proc.pid)  # the launcher and every rank it started
             proc.wait()
             raise TimeoutError(f"branch {spec.name}: no result after {spec.train.timeout_s} s; see {log}") from None
+        except BaseException:
+            # The ranks run in their own session, out of reach of the caller's Ctrl-C: a caller
+            # that stops (interrupt, cancelled task) must not leave them holding the GPUs.
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
         finally:
             pump.join(timeout=5)
     if code != 0:
@@ -83,11 +93,15 @@ def train_branch(spec: BranchSpec, echo: bool = True) -> BranchResult:
 
 
 def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
+    """Copy the process group's output; never stop reading, or a full pipe would block the ranks."""
     for line in proc.stdout:
         log_file.write(line)
         log_file.flush()
         if echo:
-            print(line, end="", flush=True)
+            try:
+                print(line, end="", flush=True)
+            except (OSError, ValueError):  # the caller's stdout is gone: keep the log going
+                echo = False
 
 
 def _kill_group(pid: int) -> None:

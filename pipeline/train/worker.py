@@ -86,7 +86,9 @@ def main(spec_path: str) -> None:
     step, tokens_seen = 0, 0
     if (ckpt_dir / LATEST).is_file():
         tag = json.loads((ckpt_dir / LATEST).read_text())["tag"]
-        _, state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        path, state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if path is None:
+            raise RuntimeError(f"branch {spec.name}: {ckpt_dir / LATEST} names {tag}, which cannot be loaded")
         step, tokens_seen = state["step"], state["tokens_seen"]
         if rank == 0:
             print(f"branch {spec.name}: resumed from {tag} (step {step})", flush=True)
@@ -97,7 +99,7 @@ def main(spec_path: str) -> None:
     filler = _image_filler(encoder) if world > 1 else None
     engine.train()
     while step < t.steps:
-        start = time.perf_counter()
+        start, lr = time.perf_counter(), scheduler.get_last_lr()[0]  # the lr this step trains with
         losses, step_tokens = [], 0
         for ids in order.rank_batches(step, t.micro_batch, t.grad_accum, rank, world):
             encoded = encoder.encode_batch([examples[i] for i in ids.tolist()])
@@ -115,7 +117,7 @@ def main(spec_path: str) -> None:
         tokens_seen += int(totals[1])
         if rank == 0:
             norm = engine.get_global_grad_norm()
-            record = {"step": step, "loss": float(totals[0]) / world, "lr": scheduler.get_last_lr()[0],
+            record = {"step": step, "loss": float(totals[0]) / world, "lr": lr,
                       "tokens": tokens_seen, "tokens_per_s": float(totals[1]) / (time.perf_counter() - start),
                       "grad_norm": None if norm is None else float(norm)}  # fmt: skip
             with open(metrics_path, "a") as fh:
@@ -154,7 +156,8 @@ def _checkpoint(engine, ckpt_dir: Path, step: int, tokens_seen: int, rank: int) 
 
 
 def _save_final(engine, processor, spec: BranchSpec, step: int, tokens_seen: int, rank: int) -> None:
-    """A full Hugging Face checkpoint on rank 0; under ZeRO-3 the partitioned weights are gathered."""
+    """A full Hugging Face checkpoint on rank 0; under ZeRO-3 the partitioned weights are gathered.
+    It is written in the engine's dtype: bf16 where DeepSpeed trains in bf16 (GPUs), fp32 on CPU."""
     meta = {"step": step, "tokens_seen": tokens_seen, "parent": spec.init, "branch": spec.name, "sources": spec.sources}
     params = list(engine.module.parameters())
     if engine.zero_optimization_stage() == 3:
