@@ -24,13 +24,13 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.cli import resolve_run
-from pipeline.data import Collator, Encoder, active_sources, load_split, prepare_data, read_manifest
+from pipeline.data import active_sources, load_split, prepare_data, read_manifest
 from pipeline.models import build_tiny_processor, count_parameters, init_model, load_model, load_processor, processor_for
 from pipeline.models.loading import DTYPES
 from pipeline.models.tiny import tiny_config
 from pipeline.train import BranchSpec, train_branch
-from pipeline.train.sampling import BatchOrder
-from pipeline.train.worker import lr_lambda
+from pipeline.train.sampling import BranchData
+from pipeline.train.worker import make_optimizer
 
 WARMUP_STEPS = 3  # excluded from the rates: first-step allocation and thread start-up
 
@@ -39,22 +39,15 @@ def plain_loop(spec: BranchSpec) -> float:
     """Tokens/s of a bare single-process AdamW loop over the trainer's own batches."""
     cfg, t = spec.config, spec.train
     model = load_model(spec.init, cfg.model).train()
-    processor = load_processor(spec.init, cfg.model)
-    encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
-    by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
-    manifest = read_manifest(spec.run_dir)["sources"]
-    examples = [ex for name in spec.sources for ex in by_source[name]]
-    order = BatchOrder([len(by_source[n]) for n in spec.sources], [manifest[n]["train_tokens"] for n in spec.sources],
-                       t.sampling, cfg.run.seed)  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
+    data = BranchData.for_branch(spec, load_processor(spec.init, cfg.model))
+    optimizer, scheduler = make_optimizer(model, t)
     rates = []
     for step in range(t.steps):
         start, tokens = time.perf_counter(), 0
-        for ids in order.rank_batches(step, t.micro_batch, t.grad_accum, 0, 1):
-            encoded = encoder.encode_batch([examples[i] for i in ids.tolist()])
+        for micro in data.micro_batches(step, t.micro_batch, t.grad_accum):
+            encoded = data.encoder.encode_batch(micro)
             tokens += sum(e.num_tokens for e in encoded)
-            (model(**collator(encoded)).loss / t.grad_accum).backward()
+            (model(**data.collator(encoded)).loss / t.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
         optimizer.step()
         scheduler.step()

@@ -3,7 +3,12 @@ an uninterrupted one would have, with no sampler state to checkpoint."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
+
+from pipeline.data import Collator, Encoder, Example, load_split, read_manifest
 
 
 class BatchOrder:
@@ -29,3 +34,28 @@ class BatchOrder:
         """This rank's micro batches for ``step``: rank r takes every world-th micro batch."""
         ids = self.global_batch(step, micro_batch * grad_accum * world).reshape(grad_accum * world, micro_batch)
         return [ids[m * world + rank] for m in range(grad_accum)]
+
+
+@dataclass
+class BranchData:
+    """A branch's training examples (flat, in ``spec.sources`` order), their order, and the
+    encoder and collator that turn them into batches."""
+
+    examples: list[Example]
+    order: BatchOrder
+    encoder: Encoder
+    collator: Collator
+
+    @classmethod
+    def for_branch(cls, spec: Any, processor: Any) -> BranchData:
+        cfg = spec.config
+        by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
+        manifest = read_manifest(spec.run_dir)["sources"]
+        order = BatchOrder([len(by_source[n]) for n in spec.sources], [manifest[n]["train_tokens"] for n in spec.sources],
+                           spec.train.sampling, cfg.run.seed)  # fmt: skip
+        return cls([ex for name in spec.sources for ex in by_source[name]], order,
+                   Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id))  # fmt: skip
+
+    def micro_batches(self, step: int, micro_batch: int, grad_accum: int, rank: int = 0, world: int = 1) -> list[list[Example]]:
+        """This rank's micro batches of ``step``, as examples."""
+        return [[self.examples[i] for i in ids.tolist()] for ids in self.order.rank_batches(step, micro_batch, grad_accum, rank, world)]

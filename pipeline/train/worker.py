@@ -23,10 +23,10 @@ import torch.distributed as dist
 from PIL import Image
 
 from pipeline.checkpoint import save_pretrained_checkpoint, write_json_atomic
-from pipeline.data import IGNORE_INDEX, Collator, Encoded, Encoder, Example, load_split, read_manifest
+from pipeline.data import IGNORE_INDEX, Encoded, Encoder, Example
 from pipeline.models import load_model, load_processor
 from pipeline.train.curves import plot_loss
-from pipeline.train.sampling import BatchOrder
+from pipeline.train.sampling import BranchData
 from pipeline.train.spec import BranchSpec
 
 LATEST = "latest.json"
@@ -58,6 +58,13 @@ def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
+def make_optimizer(model: torch.nn.Module, t) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters, linear warm-up then cosine decay (per optimizer step)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
+
+
 def main(spec_path: str) -> None:
     spec = BranchSpec.load(spec_path)
     cfg, t, out = spec.config, spec.train, Path(spec.out_dir)
@@ -69,16 +76,9 @@ def main(spec_path: str) -> None:
 
     model = load_model(spec.init, cfg.model)
     processor = load_processor(spec.init, cfg.model)
-    examples_by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
-    manifest = read_manifest(spec.run_dir)["sources"]
-    examples = [ex for name in spec.sources for ex in examples_by_source[name]]
-    order = BatchOrder([len(examples_by_source[n]) for n in spec.sources],
-                       [manifest[n]["train_tokens"] for n in spec.sources], t.sampling, cfg.run.seed)  # fmt: skip
-    encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
-
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
+    data = BranchData.for_branch(spec, processor)
+    encoder, collator = data.encoder, data.collator
+    optimizer, scheduler = make_optimizer(model, t)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(spec, world))  # fmt: skip
 
@@ -101,8 +101,8 @@ def main(spec_path: str) -> None:
     while step < t.steps:
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]  # the lr this step trains with
         losses, step_tokens = [], 0
-        for ids in order.rank_batches(step, t.micro_batch, t.grad_accum, rank, world):
-            encoded = encoder.encode_batch([examples[i] for i in ids.tolist()])
+        for micro in data.micro_batches(step, t.micro_batch, t.grad_accum, rank, world):
+            encoded = encoder.encode_batch(micro)
             step_tokens += sum(e.num_tokens for e in encoded)
             if filler is not None and all(e.image_grid_thw is None for e in encoded):
                 encoded.append(filler)
