@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/merit demo configs/demo.yaml --run-dir runs/demo
+	$(BIN)/merit run configs/demo.yaml --run-dir runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

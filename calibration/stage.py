@@ -13,6 +13,7 @@ import torch
 from sklearn.metrics import adjusted_rand_score
 from tqdm.auto import tqdm
 
+from calibration.errors import CalibrationError
 from calibration.gradients import (
     SourceGradients,
     calibration_sample,
@@ -22,12 +23,22 @@ from calibration.gradients import (
 )
 from calibration.plots import plot_accuracy_curve, plot_axes, plot_conflicts, plot_explained_variance
 from calibration.split import SplitPlan, conflict_matrix, plan_split
-from pipeline.checkpoint import write_json_atomic
+from pipeline.checkpoint import is_complete, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
-from pipeline.models import init_path, load_model, processor_for
+from pipeline.layout import init_path, is_tiny
+from pipeline.models import load_model, processor_for
 
 OUT_DIR = "calibration"
+
+
+def theta0(cfg: RunConfig, run_dir: Path) -> str:
+    """θ0's path, which must exist when it is made in the run (the tiny model, the warm-up)."""
+    path = init_path(cfg, run_dir)
+    if (cfg.warmup.steps or is_tiny(cfg)) and not is_complete(path):
+        then = ", then `merit train --branch warmup`" if cfg.warmup.steps else ""
+        raise CalibrationError(f"θ0 {path} is missing: make it first (`merit init`{then}) or run the whole flow (`merit run`)")
+    return path
 
 
 class _Estimator:
@@ -35,7 +46,7 @@ class _Estimator:
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
         self.cfg = cfg
-        self.model = load_model(init_path(cfg, run_dir), cfg.model)
+        self.model = load_model(theta0(cfg, run_dir), cfg.model)
         processor = processor_for(cfg, run_dir)
         self.encoder = Encoder(processor, cfg.data.max_length)
         self.collator = Collator(processor.tokenizer.pad_token_id)

@@ -4,6 +4,7 @@ the run directory keeps the resolved ``config.yaml`` so any stage can be re-run 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,20 +13,19 @@ from calibration.errors import CalibrationError, SplitError
 from pipeline.checkpoint import CheckpointError
 from pipeline.config import ConfigError, RunConfig, load_config, save_config
 from pipeline.data.example import DataError
+from pipeline.layout import CONFIG, REPORT
 from pipeline.merge.io import MergeInputError
 from pipeline.merge.spec import MergeSpecError
-
-RESOLVED_CONFIG = "config.yaml"
-
+from pipeline.train.launch import BranchFailed
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
     config = args.config
-    if config is None and args.run_dir and (Path(args.run_dir) / RESOLVED_CONFIG).is_file():
-        config = Path(args.run_dir) / RESOLVED_CONFIG
+    if config is None and args.run_dir and (Path(args.run_dir) / CONFIG).is_file():
+        config = Path(args.run_dir) / CONFIG
     cfg = load_config(config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
-    save_config(cfg, run_dir / RESOLVED_CONFIG)
+    save_config(cfg, run_dir / CONFIG)
     return cfg, run_dir
 
 
@@ -75,11 +75,43 @@ def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    """The pipeline's stages so far, in order, on one run directory."""
-    cmd_init(args)
-    cmd_prepare(args)
-    cmd_calibrate(args)
+def cmd_train(args: argparse.Namespace) -> None:
+    from pipeline.train import train_branch
+    from pipeline.train.plan import branch_spec
+
+    cfg, run_dir = resolve_run(args)
+    result = train_branch(branch_spec(cfg, run_dir, args.branch))
+    verb = "resumed and trained" if result.resumed else "trained" if result.seconds else "already complete:"
+    print(f"branch {result.name} {verb} {result.steps} steps, {result.tokens_seen:,} tokens: {result.final}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from pipeline.report import build_report
+
+    _, run_dir = resolve_run(args)
+    report = build_report(run_dir)
+    headline = report.get("headline")
+    if headline:
+        print(f"best merge {headline['model']}: held-out loss {headline['loss']:.4f}")
+    print(f"report: {run_dir / REPORT / 'report.md'}")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    """The whole pipeline as a Prefect flow: against PREFECT_API_URL's server when set, else an
+    ephemeral local one that Prefect starts and stops by itself."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network at run time
+    # The ephemeral server's first start migrates its database: over 20 s on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.merit import joint, merit
+
+    config = args.config or (Path(args.run_dir) / CONFIG if args.run_dir else None)
+    if config is None:
+        raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
+    try:
+        report = (joint if args.flow == "joint" else merit)(config=str(config), overrides=args.overrides, run_dir=args.run_dir)
+    except RuntimeError as err:  # a failed stage; Prefect has logged the details
+        sys.exit(f"merit: the {args.flow} flow failed: {err}")
+    print(f"report: {report}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -120,12 +152,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     importlib.import_module(f"pipeline.bench.{args.what}").main(args)
 
 
-def add_run_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_run_options(p: argparse.ArgumentParser, force: bool = True) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML run config (default: the run directory's config.yaml)")
     p.add_argument("--run-dir", help="run directory (default: runs/<run.name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set data.max_length=512")  # fmt: skip
-    p.add_argument("--force", action="store_true", help="redo stages whose outputs are up to date")
+    if force:
+        p.add_argument("--force", action="store_true", help="redo stages whose outputs are up to date")
     return p
 
 
@@ -135,9 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="load, split and encode the data sources")
     add_run_options(prepare).set_defaults(func=cmd_prepare)
     add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
-    demo = sub.add_parser("demo", help="the offline default: init, prepare and calibrate, with summaries")
-    add_run_options(demo).add_argument("--diagnostics", action="store_true", help="calibration diagnostics too")
-    demo.set_defaults(func=cmd_demo)
+    train = sub.add_parser("train", help="train (or resume) one branch of a run: warmup, joint or a group number")
+    add_run_options(train, force=False).add_argument("--branch", required=True, help="warmup, joint, 0, 1, ...")
+    train.set_defaults(func=cmd_train)
+    report = sub.add_parser("report", help="(re)build the run's report from what is on disk")
+    add_run_options(report, force=False).set_defaults(func=cmd_report)
+
+    run = sub.add_parser("run", help="the whole pipeline as a Prefect flow (local ephemeral server unless PREFECT_API_URL)")
+    add_run_options(run, force=False).add_argument("--flow", choices=["merit", "joint"], default="merit",
+                                                   help="merit (default), or the joint baseline alone")  # fmt: skip
+    run.set_defaults(func=cmd_run)
 
     calibrate = sub.add_parser("calibrate", help="per-source gradient conflicts at θ0 and the MERIT split")
     add_run_options(calibrate).add_argument("--diagnostics", action="store_true",
@@ -180,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, CheckpointError, MergeInputError, MergeSpecError, CalibrationError, SplitError) as err:
+    except (ConfigError, DataError, CheckpointError, MergeInputError, MergeSpecError, CalibrationError, SplitError,
+            BranchFailed) as err:  # fmt: skip
         print(f"merit: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.merge.registry import get_method
+from pipeline.merge.rules import Rule
+
 
 class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the key."""
@@ -159,12 +162,82 @@ class TrainSection(Section):
     timeout_s: int = Field(6 * 3600, ge=1)
 
 
+class WarmupSection(Section):
+    """A joint warm-up of θ0 on every source before calibration: MERIT's merge-ready start (the
+    paper's joint instruction-tuning stage), whose flat basin keeps the branches mergeable.
+    It trains like a branch (the ``train`` section) for ``steps`` optimizer steps."""
+
+    steps: int = Field(0, ge=0)  # 0: θ0 is the model as built or loaded
+    lr: float | None = Field(None, gt=0)  # default: train.lr
+
+
+class MergeEntry(Section):
+    """One merged model of a run, written to ``merged/<name>``: one method for every tensor, or
+    per-tensor ``rules`` as in a merge spec. Branches are weighted by their training tokens
+    (MERIT's merge) or equally."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    method: str | None = None
+    params: dict[str, Any] = {}
+    rules: list[Rule] | None = None
+    weighting: Literal["tokens", "equal"] = "tokens"
+
+    @model_validator(mode="after")
+    def _method_or_rules(self) -> MergeEntry:
+        if (self.method is None) == (self.rules is None):
+            raise ValueError(f"merge '{self.name}': give either 'method' (with 'params') or 'rules'")
+        if self.method is not None:
+            get_method(self.method).validate(self.params)
+        return self
+
+
+class MergeSection(Section):
+    methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]
+    device: Literal["cpu", "cuda"] = "cpu"
+    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: each tensor's dtype
+    fisher_examples: int = Field(64, ge=1)  # per branch, for methods that need a diagonal Fisher
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> MergeSection:
+        names = [m.name for m in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"merge names must be unique, got {names}")
+        return self
+
+
+class EvalSection(Section):
+    """Held-out evaluation of every model of a run."""
+
+    batch_size: int = Field(16, ge=1)
+    max_examples_per_source: int | None = Field(None, ge=1)  # default: the whole held-out split
+    device: str | None = None  # default: the first GPU, else the CPU
+
+
+class FlowSection(Section):
+    """How the Prefect flow runs the stages."""
+
+    joint_baseline: bool = True  # also train the joint baseline with the branches' total budget
+    parallel_branches: int | None = Field(None, ge=1)  # default: GPUs // train.processes, 1 on CPU
+    branch_retries: int = Field(2, ge=0)  # a retry resumes from the branch's last checkpoint
+    retry_delay_s: float = Field(10.0, ge=0)
+
+
 class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
+    warmup: WarmupSection = WarmupSection()
     calibration: CalibrationSection = CalibrationSection()
     train: TrainSection = TrainSection()
+    merge: MergeSection = MergeSection()
+    eval: EvalSection = EvalSection()
+    flow: FlowSection = FlowSection()
+
+    @property
+    def branch_count(self) -> int:
+        """K: the number of groups the split makes (2^r, or the given groups)."""
+        c = self.calibration
+        return len(c.groups) if c.method == "given" else 2**c.r
 
     def digest(self, *sections: str) -> str:
         """A stable hash of some sections, used to decide whether a stage's outputs are stale."""

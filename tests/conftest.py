@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,11 @@ from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect keeps a database and result caches under PREFECT_HOME: a private one per test session,
+# so nothing leaks between sessions, and no analytics calls leave the machine.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="merit-prefect-home-")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.models import init_model, load_processor  # noqa: E402
@@ -27,6 +33,15 @@ def tiny_run(tmp_path_factory) -> tuple[RunConfig, Path]:
     run_dir = tmp_path_factory.mktemp("run")
     init_model(cfg, run_dir)
     return cfg, run_dir
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One temporary Prefect API (SQLite in a temp dir) for every flow test of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +68,17 @@ def llava_record(image: str | None = "a.png", answer: str = "red") -> dict:
     if image:
         record["image"] = image
     return record
+
+
+def processes_of(spec_path: Path) -> list[int]:
+    """Pids of a branch's processes: its torchrun launcher and every rank (their command lines
+    name the branch's spec file)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if str(spec_path) in args:
+            pids.append(int(pid))
+    return pids

@@ -175,9 +175,10 @@ def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
 
 
 def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
-    common = ["--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=12"]
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "demo", "configs/demo.yaml", *common], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)  # fmt: skip
+    common = ["--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=12", "--set", "warmup.steps=0"]
+    for stage in ("init", "prepare"):
+        subprocess.run([sys.executable, "-m", "pipeline.cli", stage, "configs/demo.yaml", *common], cwd=ROOT, check=True,
+                       capture_output=True, timeout=300)  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path), "--diagnostics",
                           "--set", "calibration.n_per_source=12", "--set", "calibration.resamples=2",
                           "--set", "calibration.reference_n=16", "--set", "calibration.r=2"],

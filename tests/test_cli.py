@@ -7,23 +7,27 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).parent.parent
-SMALL = ["--set", "data.builtin.examples_per_source=10"]
+SMALL = ["--set", "data.builtin.examples_per_source=10", "--set", "warmup.steps=0"]
 
 
 def merit(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_demo_prints_the_summary_and_keeps_the_resolved_config(tmp_path):
-    run = merit("demo", "configs/demo.yaml", "--run-dir", str(tmp_path), *SMALL)
-    assert run.returncode == 0, run.stderr
-    assert "θ0:" in run.stdout and "parameters" in run.stdout
-    total = next(line for line in run.stdout.splitlines() if line.startswith("total"))
-    assert total.split()[1] == "180"  # 18 sources x 10 examples
+def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path):
+    init = merit("init", "configs/demo.yaml", "--run-dir", str(tmp_path), *SMALL)
+    assert init.returncode == 0, init.stderr
+    assert "θ0:" in init.stdout and "parameters" in init.stdout
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["data"]["builtin"]["examples_per_source"] == 10
+    run = merit("prepare", "--run-dir", str(tmp_path))  # the run directory's config from here on
+    assert run.returncode == 0, run.stderr
+    total = next(line for line in run.stdout.splitlines() if line.startswith("total"))
+    assert total.split()[1] == "180"  # 18 sources x 10 examples
+    split = merit("calibrate", "--run-dir", str(tmp_path))
+    assert split.returncode == 0, split.stderr
     assert (tmp_path / "init" / "manifest.json").is_file() and (tmp_path / "data" / "manifest.json").is_file()
-    assert "split into 2 groups" in run.stdout and (tmp_path / "calibration" / "split.json").is_file()
+    assert "split into 2 groups" in split.stdout and (tmp_path / "calibration" / "split.json").is_file()
     # Any stage re-runs alone from the run directory's resolved config.
     again = merit("prepare", "--run-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
@@ -50,3 +54,11 @@ def test_bench_data_prints_rates(tmp_path):
     assert run.returncode == 0, run.stderr
     ratio = next(line for line in run.stdout.splitlines() if line.startswith("encoding / training"))
     assert float(ratio.split()[-4].rstrip("x")) > 0
+
+
+def test_calibrating_before_the_warm_up_says_what_to_run(tmp_path):
+    assert merit("init", "configs/demo.yaml", "--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=10").returncode == 0
+    assert merit("prepare", "--run-dir", str(tmp_path)).returncode == 0
+    run = merit("calibrate", "--run-dir", str(tmp_path))
+    assert run.returncode == 2
+    assert f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in run.stderr and "merit train --branch warmup" in run.stderr

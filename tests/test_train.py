@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
+from conftest import processes_of
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.cli import main as merit
 from pipeline.config import load_config
@@ -25,8 +26,9 @@ SOURCES = ["colour_name", "add_digits", "caption"]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("train-run")
-    assert merit(["demo", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), "--set", "data.builtin.examples_per_source=24",
-                  "--set", "calibration.n_per_source=4"]) == 0  # fmt: skip
+    small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
+    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *small]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
     return run
 
 
@@ -71,8 +73,12 @@ def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):
     while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; torchrun put the rank in a session of its own
     proc.wait()
+    deadline = time.monotonic() + 30
+    while processes_of(spec_path):  # the rank dies with its launcher (PR_SET_PDEATHSIG)
+        assert time.monotonic() < deadline, "the rank outlived its killed launcher"
+        time.sleep(0.1)
     assert not (tmp_path / "killed" / "final").exists()
     resumed = train_branch(killed, echo=False)
     assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen

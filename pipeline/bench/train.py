@@ -25,6 +25,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.cli import resolve_run
 from pipeline.data import active_sources, load_split, prepare_data, read_manifest
+from pipeline.layout import base_path
 from pipeline.models import build_tiny_processor, count_parameters, init_model, load_model, load_processor, processor_for
 from pipeline.models.loading import DTYPES
 from pipeline.models.tiny import tiny_config
@@ -93,8 +94,8 @@ def main(args: argparse.Namespace) -> None:
         def branch(name: str, processes: int) -> BranchSpec:
             config = cfg.model_copy(deep=True)
             config.train.processes = processes
-            init = str(Path(run_dir) / "init") if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
-            return BranchSpec(name=name, run_dir=str(run_dir), init=init, sources=sources, out_dir=f"{tmp}/{name}", config=config)
+            return BranchSpec(name=name, run_dir=str(run_dir), init=base_path(cfg, run_dir), sources=sources,
+                              out_dir=f"{tmp}/{name}", config=config)  # fmt: skip
 
         plain = plain_loop(branch("plain", 1))
         one = trainer_rate(branch("trainer-1", 1))

@@ -1,8 +1,9 @@
 """The ``init`` stage: θ0, the shared start every branch trains from.
 
 ``model.name_or_path: tiny`` builds the offline model into ``run_dir/init`` (a checkpoint with
-a manifest). Any other value names a Hugging Face id or a local folder, used in place: θ0 is
-the base model itself, nothing is copied.
+a manifest). Any other value names a Hugging Face id or a local folder, used in place: nothing
+is copied. θ0 is this base model, or the result of the joint warm-up (``pipeline.train.plan``)
+when ``warmup.steps`` > 0.
 """
 
 from __future__ import annotations
@@ -15,25 +16,15 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 
 from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_checkpoint
 from pipeline.config import RunConfig
+from pipeline.layout import base_path, is_tiny
 from pipeline.models.loading import count_parameters, load_processor
 from pipeline.models.tiny import build_tiny_model, build_tiny_processor
-
-INIT_DIR = "init"
-
-
-def is_tiny(cfg: RunConfig) -> bool:
-    return cfg.model.name_or_path == "tiny"
-
-
-def init_path(cfg: RunConfig, run_dir: str | Path) -> str:
-    """Where θ0 lives: the run's ``init/`` for the tiny model, else the configured model."""
-    return str(Path(run_dir) / INIT_DIR) if is_tiny(cfg) else cfg.model.name_or_path
 
 
 def processor_for(cfg: RunConfig, run_dir: str | Path | None = None) -> Any:
     """The processor of θ0, without building or loading any weights."""
     if is_tiny(cfg):
-        init = Path(run_dir) / INIT_DIR if run_dir else None
+        init = Path(base_path(cfg, run_dir)) if run_dir else None
         if init is not None and is_complete(init):
             return load_processor(init, cfg.model)
         return build_tiny_processor(cfg.model, cfg.run.seed)
@@ -41,8 +32,9 @@ def processor_for(cfg: RunConfig, run_dir: str | Path | None = None) -> Any:
 
 
 def init_model(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict[str, Any]:
-    """Make θ0 available; returns a small summary (path, parameter counts)."""
-    path = init_path(cfg, run_dir)
+    """Make the base model available (θ0 unless a warm-up follows); returns a small summary
+    (path, parameter counts)."""
+    path = base_path(cfg, run_dir)
     if is_tiny(cfg):
         digest = cfg.digest("model", "run")
         if force or not (is_complete(path) and read_manifest(path).get("config_digest") == digest):

@@ -55,8 +55,9 @@ def command(spec_path: Path, processes: int) -> list[str]:
             "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "pipeline.train.worker", str(spec_path)]  # fmt: skip
 
 
-def train_branch(spec: BranchSpec, echo: bool = True) -> BranchResult:
-    """Train (or resume, or skip if already complete) one branch; returns a small result."""
+def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = None) -> BranchResult:
+    """Train (or resume, or skip if already complete) one branch; returns a small result.
+    ``gpus``: the devices this branch may use, when several branches share a machine."""
     out, final = Path(spec.out_dir), Path(spec.out_dir) / "final"
     if is_complete(final):
         return _result(spec, final, 0.0, resumed=False)
@@ -65,6 +66,8 @@ def train_branch(spec: BranchSpec, echo: bool = True) -> BranchResult:
     resumed = (out / "checkpoints" / "latest.json").is_file()
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))}  # fmt: skip
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:

@@ -9,10 +9,12 @@ data order is a function of (seed, step), so the resumed run trains on the same 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from pipeline.train.sampling import BranchData
 from pipeline.train.spec import BranchSpec
 
 LATEST = "latest.json"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def deepspeed_config(spec: BranchSpec, world: int) -> dict:
@@ -65,7 +68,19 @@ def make_optimizer(model: torch.nn.Module, t) -> tuple[torch.optim.Optimizer, to
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
 
 
+def die_with_launcher() -> None:
+    """torchrun starts every rank in a session of its own, so a signal to the launcher's process
+    group (a timeout, a cancelled task) does not reach the ranks: without this, a killed branch's
+    ranks would train on, holding their GPUs and writing into the branch's folder."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request was in place
+        os._exit(1)
+
+
 def main(spec_path: str) -> None:
+    die_with_launcher()
     spec = BranchSpec.load(spec_path)
     cfg, t, out = spec.config, spec.train, Path(spec.out_dir)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -83,13 +98,15 @@ def main(spec_path: str) -> None:
                                            config=deepspeed_config(spec, world))  # fmt: skip
 
     ckpt_dir = out / "checkpoints"
-    step, tokens_seen = 0, 0
+    step, tokens_seen, elapsed = 0, 0, 0.0  # elapsed: training seconds, summed over resumed runs
     if (ckpt_dir / LATEST).is_file():
         tag = json.loads((ckpt_dir / LATEST).read_text())["tag"]
-        path, state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        # DeepSpeed asserts (no message) on a missing tag folder and returns None on an unreadable one.
+        path, state = engine.load_checkpoint(str(ckpt_dir), tag=tag) if (ckpt_dir / tag).is_dir() else (None, None)
         if path is None:
-            raise RuntimeError(f"branch {spec.name}: {ckpt_dir / LATEST} names {tag}, which cannot be loaded")
-        step, tokens_seen = state["step"], state["tokens_seen"]
+            raise RuntimeError(f"branch {spec.name}: {ckpt_dir / LATEST} names {tag}, which cannot be loaded; "
+                               "delete it to train the branch from its start")  # fmt: skip
+        step, tokens_seen, elapsed = state["step"], state["tokens_seen"], state.get("elapsed_s", 0.0)
         if rank == 0:
             print(f"branch {spec.name}: resumed from {tag} (step {step})", flush=True)
     metrics_path = out / "metrics.jsonl"
@@ -115,17 +132,19 @@ def main(spec_path: str) -> None:
         dist.all_reduce(totals)
         step += 1
         tokens_seen += int(totals[1])
+        seconds = time.perf_counter() - start
+        elapsed += seconds
         if rank == 0:
             norm = engine.get_global_grad_norm()
-            record = {"step": step, "loss": float(totals[0]) / world, "lr": lr,
-                      "tokens": tokens_seen, "tokens_per_s": float(totals[1]) / (time.perf_counter() - start),
-                      "grad_norm": None if norm is None else float(norm)}  # fmt: skip
+            record = {"step": step, "loss": float(totals[0]) / world, "lr": lr, "tokens": tokens_seen,
+                      "tokens_per_s": float(totals[1]) / seconds, "grad_norm": None if norm is None else float(norm),
+                      "elapsed_s": round(elapsed, 3)}  # fmt: skip
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 and step < t.steps:
-            _checkpoint(engine, ckpt_dir, step, tokens_seen, rank)
+            _checkpoint(engine, ckpt_dir, {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed}, rank)
 
-    _save_final(engine, processor, spec, step, tokens_seen, rank)
+    _save_final(engine, processor, spec, {"step": step, "tokens_seen": tokens_seen, "train_seconds": round(elapsed, 3)}, rank)
     if rank == 0:
         plot_loss(metrics_path, out / "loss.png", title=f"branch {spec.name}")
     dist.barrier()
@@ -143,9 +162,10 @@ def _image_filler(encoder: Encoder) -> Encoded:
     return filler
 
 
-def _checkpoint(engine, ckpt_dir: Path, step: int, tokens_seen: int, rank: int) -> None:
+def _checkpoint(engine, ckpt_dir: Path, state: dict, rank: int) -> None:
+    step = state["step"]
     tag = f"step{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, "tokens_seen": tokens_seen})
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
     dist.barrier()  # every rank's shard is on disk before the pointer moves
     if rank == 0:
         previous = json.loads((ckpt_dir / LATEST).read_text())["tag"] if (ckpt_dir / LATEST).is_file() else None
@@ -155,10 +175,10 @@ def _checkpoint(engine, ckpt_dir: Path, step: int, tokens_seen: int, rank: int) 
     dist.barrier()
 
 
-def _save_final(engine, processor, spec: BranchSpec, step: int, tokens_seen: int, rank: int) -> None:
+def _save_final(engine, processor, spec: BranchSpec, state: dict, rank: int) -> None:
     """A full Hugging Face checkpoint on rank 0; under ZeRO-3 the partitioned weights are gathered.
     It is written in the engine's dtype: bf16 where DeepSpeed trains in bf16 (GPUs), fp32 on CPU."""
-    meta = {"step": step, "tokens_seen": tokens_seen, "parent": spec.init, "branch": spec.name, "sources": spec.sources}
+    meta = {**state, "parent": spec.init, "branch": spec.name, "sources": spec.sources}
     params = list(engine.module.parameters())
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):

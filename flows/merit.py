@@ -1,0 +1,109 @@
+"""The MERIT flow and the joint-baseline flow.
+
+merit: prepare → init → warm-up (θ0) → calibrate → K branches (+ the joint baseline), fanned
+out with retries that resume from checkpoints → merges → held-out evaluation → report.
+Every stage is idempotent, so re-running a flow on the same run directory resumes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from prefect import flow
+from prefect.futures import wait
+from prefect.logging import get_run_logger
+
+from flows import tasks
+from flows.progress import BranchProgress
+from flows.report import artifact_key, report
+from pipeline.config import RunConfig, load_config, save_config
+from pipeline.layout import CONFIG, JOINT, WARMUP, run_models
+from pipeline.train.plan import branch_spec
+
+POLL_S = 2.0  # how often the flow refreshes the training progress
+
+
+def resolve_run(config: str, overrides: list[str] | None, run_dir: str | None) -> tuple[RunConfig, str]:
+    """Validate the config, save it as the run's ``config.yaml``; every task reads it from there."""
+    cfg = load_config(config, overrides or [])
+    run_dir = str(Path(run_dir or Path("runs") / cfg.run.name).absolute())
+    save_config(cfg, Path(run_dir) / CONFIG)
+    return cfg, run_dir
+
+
+def branch_slots(cfg: RunConfig) -> list[list[int] | None]:
+    """The devices of each branch that may train at once: disjoint sets of ``train.processes``
+    GPUs. On CPU, one branch at a time unless asked: its ranks already use every core."""
+    gpus, per = torch.cuda.device_count(), cfg.train.processes
+    if gpus == 0:
+        return [None] * (cfg.flow.parallel_branches or 1)
+    fits = gpus // per
+    if fits == 0:  # more ranks than GPUs: let the launcher see every GPU and say so
+        return [None]
+    return [list(range(i * per, (i + 1) * per)) for i in range(min(cfg.flow.parallel_branches or fits, fits))]
+
+
+def train_branches(cfg: RunConfig, run_dir: str, names: list[str]) -> dict[str, dict]:
+    """Train the named branches, at most one per slot at a time. A branch that fails after its
+    retries does not stop the others: they finish and stay on disk, then the flow fails naming
+    every failed branch, and a re-run trains only those."""
+    train = tasks.train.with_options(retries=cfg.flow.branch_retries, retry_delay_seconds=cfg.flow.retry_delay_s)
+    progress = BranchProgress([branch_spec(cfg, run_dir, n) for n in names], artifact_key(cfg.run.name, "training"))
+    free, pending, running = branch_slots(cfg), list(names), {}
+    results, failures = {}, {}
+    while pending or running:
+        while pending and free:
+            name, slot = pending.pop(0), free.pop(0)
+            running[name] = (train.submit(run_dir, name, gpus=slot), slot)
+        wait([future for future, _ in running.values()], timeout=POLL_S)
+        progress.update()
+        for name, (future, slot) in list(running.items()):
+            if future.state.is_final():
+                del running[name]
+                free.append(slot)
+                try:
+                    results[name] = future.result()
+                except Exception as err:  # noqa: BLE001 — collected and raised below, naming the branch
+                    failures[name] = err
+    if failures:
+        raise RuntimeError(f"{len(failures)} branch(es) failed for good: " + "; ".join(f"{e}" for e in failures.values()))
+    return results
+
+
+def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
+    for model, checkpoint in run_models(cfg, run_dir).items():
+        tasks.evaluate(run_dir, model, checkpoint)
+    done = report(run_dir, cfg.run.name)
+    get_run_logger().info(f"report: {done['report']}")
+    return done["report"]
+
+
+def start(run_dir: str, cfg: RunConfig) -> None:
+    """prepare → init → warm-up: the data and θ0 every later stage needs."""
+    tasks.prepare(run_dir)
+    tasks.init(run_dir)
+    if cfg.warmup.steps:
+        train_branches(cfg, run_dir, [WARMUP])
+
+
+@flow(name="merit", log_prints=True)
+def merit(config: str = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+    """The MERIT pipeline on one run directory; returns the path of the report."""
+    cfg, run_dir = resolve_run(config, overrides, run_dir)
+    start(run_dir, cfg)
+    groups = tasks.calibrate(run_dir)["groups"]
+    baseline = [JOINT] if cfg.flow.joint_baseline else []
+    train_branches(cfg, run_dir, [str(k) for k in range(len(groups))] + baseline)
+    for entry in cfg.merge.methods:
+        tasks.merge(run_dir, entry.name)
+    return evaluate_and_report(cfg, run_dir)
+
+
+@flow(name="joint", log_prints=True)
+def joint(config: str = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+    """The joint baseline alone: every source in one branch with the K branches' total budget."""
+    cfg, run_dir = resolve_run(config, overrides, run_dir)
+    start(run_dir, cfg)
+    train_branches(cfg, run_dir, [JOINT])
+    return evaluate_and_report(cfg, run_dir)

@@ -1,0 +1,75 @@
+"""Thin Prefect tasks: each loads the run's resolved config and calls ONE library function,
+passing paths and small JSON-able results, never tensors or models.
+
+Idempotence lives in the library (a stage whose outputs exist and verify returns them), so a
+re-run flow, or a retried task, resumes where the last attempt stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+from pipeline.config import RunConfig, load_config
+from pipeline.layout import CONFIG
+
+
+def run_config(run_dir: str) -> RunConfig:
+    return load_config(Path(run_dir) / CONFIG)
+
+
+@task(name="prepare")
+def prepare(run_dir: str) -> dict[str, int]:
+    """Load, split and encode every source; returns train tokens per source."""
+    from pipeline.data import active_sources, prepare_data
+    from pipeline.models import processor_for
+
+    cfg = run_config(run_dir)
+    manifest = prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
+    return {name: info["train_tokens"] for name, info in active_sources(manifest).items()}
+
+
+@task(name="init")
+def init(run_dir: str) -> dict[str, Any]:
+    """Build the tiny model or locate the base model."""
+    from pipeline.models import init_model
+
+    return init_model(run_config(run_dir), run_dir)
+
+
+@task(name="calibrate")
+def calibrate(run_dir: str) -> dict[str, Any]:
+    """Gradient conflicts at θ0 and the split into K groups."""
+    from calibration.stage import calibrate as calibrate_stage
+
+    summary = calibrate_stage(run_config(run_dir), run_dir)
+    return {k: summary[k] for k in ("groups", "tokens", "explained_variance", "total_seconds")}
+
+
+@task(name="train-branch", task_run_name="train-{name}")
+def train(run_dir: str, name: str, gpus: list[int] | None = None) -> dict[str, Any]:
+    """Train, resume or skip one branch (``warmup``, ``joint`` or a group number). A killed
+    process group raises, so the task's retries relaunch it and it resumes from its checkpoint."""
+    from pipeline.train import train_branch
+    from pipeline.train.plan import branch_spec
+
+    return asdict(train_branch(branch_spec(run_config(run_dir), run_dir, name), echo=False, gpus=gpus))
+
+
+@task(name="merge", task_run_name="merge-{name}")
+def merge(run_dir: str, name: str) -> dict[str, Any]:
+    from pipeline.merging import merge_run
+
+    return merge_run(run_config(run_dir), run_dir, name)
+
+
+@task(name="evaluate", task_run_name="evaluate-{model}")
+def evaluate(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
+    """Held-out loss of one model; returns its overall figures."""
+    from pipeline.eval import evaluate_model
+
+    result = evaluate_model(run_config(run_dir), run_dir, model, checkpoint)
+    return {k: result[k] for k in ("model", "loss", "macro_loss", "token_accuracy")}

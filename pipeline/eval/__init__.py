@@ -1,0 +1,5 @@
+"""Held-out evaluation of a run's models (θ0, branches, the joint baseline, merges)."""
+
+from pipeline.eval.heldout import evaluate_model
+
+__all__ = ["evaluate_model"]

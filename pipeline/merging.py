@@ -1,0 +1,77 @@
+"""The ``merge`` stage of a run: its K branches merged as each entry of the config's ``merge``
+section says, into ``merged/<name>``, through the merge library.
+
+MERIT's merge weights each branch by its training tokens n_k (``weighting: tokens``): the
+tokens the branch actually trained on, from its checkpoint manifest.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.config import MergeEntry, RunConfig
+from pipeline.data import Collator, Encoder, load_split
+from pipeline.layout import branch_dir, init_path, merged_dir
+from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
+from pipeline.merge.methods.fisher import estimate_fisher
+from pipeline.models import load_model, load_processor
+from pipeline.train.plan import split_groups
+
+
+def branch_finals(run_dir: str | Path) -> list[Path]:
+    """Every branch's ``final/`` checkpoint; a missing one is an error naming the branch."""
+    finals = [branch_dir(run_dir, k) / "final" for k in range(len(split_groups(run_dir)))]
+    missing = [str(f.parent.name) for f in finals if not is_complete(f)]
+    if missing:
+        raise FileNotFoundError(f"branches {missing} of {run_dir} have no complete final/ checkpoint: train them first")
+    return finals
+
+
+def find_entry(cfg: RunConfig, name: str) -> MergeEntry:
+    entry = next((m for m in cfg.merge.methods if m.name == name), None)
+    if entry is None:
+        raise ValueError(f"no merge named '{name}' in the config; merge.methods has {[m.name for m in cfg.merge.methods]}")
+    return entry
+
+
+def merge_spec(cfg: RunConfig, run_dir: str | Path, entry: MergeEntry, fishers: list[Path] | None = None) -> MergeSpec:
+    models = [
+        ModelEntry(path=str(final), tokens=read_manifest(final)["tokens_seen"] if entry.weighting == "tokens" else None,
+                   fisher=str(fishers[k]) if fishers else None)
+        for k, final in enumerate(branch_finals(run_dir))
+    ]  # fmt: skip
+    return MergeSpec(base_model=init_path(cfg, run_dir), models=models, method=entry.method, params=entry.params,
+                     rules=entry.rules, out_path=str(merged_dir(run_dir, entry.name)), out_dtype=cfg.merge.out_dtype,
+                     device=cfg.merge.device, seed=cfg.run.seed)  # fmt: skip
+
+
+def needs_fisher(entry: MergeEntry) -> bool:
+    names = [entry.method] if entry.method else [r.method for r in entry.rules]
+    return any(get_method(m).needs_fisher for m in names)
+
+
+def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
+    """Diagonal Fisher of branch k at its final weights, from ``merge.fisher_examples`` of its own
+    training examples (one per batch: the per-example empirical Fisher); kept in ``fisher/``."""
+    final, out = branch_dir(run_dir, k) / "final", branch_dir(run_dir, k) / "fisher"
+    if is_complete(out):
+        return out
+    model, processor = load_model(final, cfg.model), load_processor(final, cfg.model)
+    examples = [ex for exs in load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values() for ex in exs]
+    sample = random.Random(f"{cfg.run.seed}/fisher/{k}").sample(examples, min(cfg.merge.fisher_examples, len(examples)))
+    encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
+    return estimate_fisher(model, (collator([encoder(ex)]) for ex in sample), out)
+
+
+def merge_run(cfg: RunConfig, run_dir: str | Path, name: str, force: bool = False) -> dict[str, Any]:
+    """Write ``merged/<name>`` unless it exists with the same spec; returns the merge report."""
+    entry = find_entry(cfg, name)
+    fishers = [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
+    spec = merge_spec(cfg, run_dir, entry, fishers)
+    out = Path(spec.out_path)
+    if not force and is_complete(out) and read_manifest(out).get("spec") == spec.model_dump(mode="json"):
+        return read_manifest(out)["report"]
+    return merge_checkpoints(spec, progress=False).summary()

@@ -1,0 +1,337 @@
+"""The run report: every stage's outputs in a run directory gathered into ``report/report.json``
+(machine form, with ready-made tables for the flow's artifacts), ``report/report.md`` and plots.
+
+It reads only the run directory, so it can be rebuilt after any stage. Every part but
+``config.yaml`` and ``data/manifest.json`` may be missing (no joint baseline, no merges yet, ...):
+the report then leaves that section out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import numpy as np
+
+from pipeline.checkpoint import MANIFEST, write_json_atomic
+from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
+from pipeline.config import load_config
+from pipeline.data.prepare import active_sources
+from pipeline.data.prepare import read_manifest as read_data_manifest
+from pipeline.layout import BRANCHES, CALIBRATION, CONFIG, EVAL, JOINT, MERGED, REPORT, WARMUP
+from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_training_curves
+from pipeline.train.spec import BranchSpec
+
+KINDS = ("theta0", "branch", "joint", "merged")  # the models' fixed order; a model's kind is its name prefix
+MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
+TARGET_SHARE_PCT = 5.0  # ours
+PLOT_FILES = {"heldout_loss.png": "held-out loss", "per_source.png": "per-source loss against θ0",
+              "training_curves.png": "training curves"}  # the report's own PNGs and their alt texts
+
+
+def build_report(run_dir: str | Path) -> dict[str, Any]:
+    """Gather the run's outputs, write ``report/`` (PNGs, report.md, then report.json) and return the report."""
+    run_dir = Path(run_dir)
+    out = run_dir / REPORT
+    cfg = load_config(run_dir / CONFIG)
+    data = read_data_manifest(run_dir)
+    models = _models(run_dir)
+    trained = _trained_dirs(run_dir)
+    metrics = {name: _read_metrics(folder / "metrics.jsonl") for name, _, folder in trained}
+    branches = [b for name, kind, folder in trained if (b := _branch(run_dir, name, kind, folder, metrics[name]))]
+    summary = _read_json(run_dir / CALIBRATION / "summary.json")
+    split = _pick(summary, "groups", "tokens", "explained_variance") | _pick(
+        _read_json(run_dir / CALIBRATION / "split.json"), "groups", "tokens", "r", "explained_variance", "method", "seed"
+    )
+    sources = [s for s in active_sources(data) if any(s in m["sources"] for m in models)]
+
+    report: dict[str, Any] = {
+        "run": {
+            "name": cfg.run.name,
+            "run_dir": str(run_dir.resolve()),
+            "config_digest": cfg.digest(),
+            "model": cfg.model.name_or_path,
+            "sources": list(active_sources(data)),
+            "dropped_sources": sorted(set(data["sources"]) - set(active_sources(data))),
+        },
+        "models": models,
+        "branches": branches,
+        "split": split,
+        "costs": _costs(summary, branches, _merges(run_dir)),
+        "headline": _headline(models),
+    }
+    report = {k: v for k, v in report.items() if v}
+    curves = {name: ([r["step"] for r in rs], [r["loss"] for r in rs]) for name, rs in metrics.items() if rs}
+    own = _write_plots(out, models, sources, curves)
+    others = sorted(str(p.relative_to(run_dir)) for p in (run_dir / CALIBRATION).glob("*.png"))
+    others += [str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()]
+    report["plots"] = own + [f"../{p}" for p in others]  # relative to report/, as report.md links them
+    report["tables"] = _tables(models, sources, branches, split)
+
+    _write_text_atomic(out / "report.md", _markdown(report, own, others))
+    write_json_atomic(out / "report.json", report)  # last: its presence means the report is whole
+    return report
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub markdown table: numeric columns right-aligned, ints with thousands separators."""
+    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v).replace("|", "\\|")
+        return f"{v:,}" if isinstance(v, int) else f"{v:.4f}"
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def model_kind(name: str) -> str:
+    return next((k for k in KINDS if name == k or name.startswith(f"{k}-")), "other")
+
+
+def _natural(name: str) -> list[Any]:
+    """``branch-10`` after ``branch-9``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _order(name: str) -> tuple[int, list[Any]]:
+    kind = model_kind(name)
+    return (KINDS.index(kind) if kind in KINDS else len(KINDS), _natural(name))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """An optional part of the run: empty when missing."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _pick(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: data[k] for k in keys if k in data}
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    """In natural order, without hidden ones: a killed checkpoint write leaves ``.name.tmp-*`` folders."""
+    return sorted((p for p in folder.glob("*") if p.is_dir() and not p.name.startswith(".")), key=lambda p: _natural(p.name))
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+
+
+def _models(run_dir: Path) -> list[dict[str, Any]]:
+    models = []
+    for path in sorted((run_dir / EVAL).glob("*.json"), key=lambda p: _order(p.stem)):
+        result = json.loads(path.read_text())
+        models.append({"name": path.stem, "kind": model_kind(path.stem), "checkpoint": result.get("checkpoint"),
+                       **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
+                       "sources": result.get("sources", {})})  # fmt: skip
+    joint = next((m["loss"] for m in models if m["name"] == "joint"), None)
+    if joint is not None:
+        for m in models:
+            m["delta_vs_joint"] = m["loss"] - joint
+    return models
+
+
+def _trained_dirs(run_dir: Path) -> list[tuple[str, str, Path]]:
+    """(name, kind, folder) of every training: warm-up, branches in order, joint baseline."""
+    branches = [(f"branch-{p.name}", "branch", p) for p in _subdirs(run_dir / BRANCHES)]
+    found = [("warmup", "warmup", run_dir / WARMUP), *branches, ("joint", "joint", run_dir / JOINT)]
+    return [t for t in found if t[2].is_dir()]
+
+
+def _branch(run_dir: Path, name: str, kind: str, folder: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    final = read_checkpoint_manifest(folder / "final") if (folder / "final" / MANIFEST).is_file() else {}
+    if not final and not records:
+        return None  # started but nothing written yet
+    spec = folder / "spec.json"
+    last = records[-1] if records else {}
+    return {
+        "name": name,
+        "kind": kind,
+        "dir": str(folder.relative_to(run_dir)),
+        "sources": BranchSpec.load(spec).sources if spec.is_file() else final.get("sources", []),
+        "tokens": final.get("tokens_seen", last.get("tokens")),
+        "steps": final.get("step", last.get("step")),
+        "train_seconds": final["train_seconds"] if "train_seconds" in final else train_seconds(records),
+        "last_loss": last.get("loss"),
+    }
+
+
+def train_seconds(records: list[dict[str, Any]]) -> float | None:
+    """Cumulative training seconds from ``metrics.jsonl``: the last ``elapsed_s``, or for older
+    files (without it) the sum of each step's new tokens over its throughput."""
+    if not records:
+        return None
+    if "elapsed_s" in records[-1]:
+        return float(records[-1]["elapsed_s"])
+    seconds, previous = 0.0, 0
+    for r in records:
+        if r.get("tokens_per_s"):
+            seconds += (r["tokens"] - previous) / r["tokens_per_s"]
+        previous = r["tokens"]
+    return seconds
+
+
+def _merges(run_dir: Path) -> dict[str, dict[str, Any]]:
+    merges = {}
+    for folder in _subdirs(run_dir / MERGED):
+        if (folder / MANIFEST).is_file():
+            manifest = read_checkpoint_manifest(folder)
+            spec, report = manifest.get("spec", {}), manifest.get("report", {})
+            merges[folder.name] = {"method": spec.get("method") or "rules", "seconds": report.get("total_seconds")}
+    return merges
+
+
+def _costs(summary: dict[str, Any], branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    costs: dict[str, Any] = {}
+    if "total_seconds" in summary:
+        costs["calibration_seconds"] = summary["total_seconds"]
+        costs["calibration_gradient_seconds"] = summary.get("gradient_seconds")
+    for b in branches:
+        if b["kind"] != "branch" and b["train_seconds"] is not None:
+            costs[f"{b['kind']}_train_seconds"] = b["train_seconds"]
+    seconds = [b["train_seconds"] for b in branches if b["kind"] == "branch" and b["train_seconds"] is not None]
+    if seconds:
+        costs["branch_train_seconds_mean"] = mean(seconds)
+        costs["branch_train_seconds_max"] = max(seconds)
+    if "calibration_seconds" in costs and seconds and mean(seconds) > 0:
+        costs["calibration_share_pct"] = 100 * costs["calibration_seconds"] / mean(seconds)
+        costs["calibration_share_merit_pct"] = MERIT_SHARE_PCT
+        costs["calibration_share_target_pct"] = TARGET_SHARE_PCT
+    if merges:
+        costs["merges"] = merges
+    return costs
+
+
+def _headline(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best merged model against the joint baseline and θ0; empty without a merged model."""
+    merged = [m for m in models if m["kind"] == "merged"]
+    if not merged:
+        return {}
+    best = min(merged, key=lambda m: m["loss"])
+    headline: dict[str, Any] = {"model": best["name"], "loss": best["loss"]}
+    for ref in (m for name in ("joint", "theta0") for m in models if m["name"] == name):
+        delta = best["loss"] - ref["loss"]
+        headline[f"vs_{ref['name']}"] = {"loss": ref["loss"], "delta": delta, "relative_pct": 100 * delta / ref["loss"]}
+    return headline
+
+
+def _r(value: Any) -> Any:
+    """Table cells: floats rounded to 4 decimals, everything JSON-serialisable."""
+    return round(value, 4) if isinstance(value, float) else value
+
+
+def _tables(models: list[dict[str, Any]], sources: list[str], branches: list[dict[str, Any]],
+            split: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    tables = {}
+    if models:
+        joint = "delta_vs_joint" in models[0]
+        headers = ["model", "kind", "held-out loss", "macro loss", "token accuracy"] + (["Δ vs joint"] if joint else [])
+        keys = ["name", "kind", "loss", "macro_loss", "token_accuracy"] + (["delta_vs_joint"] if joint else [])
+        tables["models"] = {"headers": headers, "rows": [[_r(m.get(k)) for k in keys] for m in models]}
+    if sources:
+        rows = [[s, *(_r(m["sources"].get(s, {}).get("loss")) for m in models)] for s in sources]
+        tables["per_source"] = {"headers": ["source", *(m["name"] for m in models)], "rows": rows}
+    if branches:
+        keys = ["name", "kind", "sources", "tokens", "steps", "train_seconds", "last_loss"]
+        rows = [[_r(_brief(b[k]) if k == "sources" else b[k]) for k in keys] for b in branches]
+        headers = ["branch", "kind", "sources", "training tokens", "steps", "train seconds", "last training loss"]
+        tables["branches"] = {"headers": headers, "rows": rows}
+    if "groups" in split:
+        tokens = split.get("tokens", [None] * len(split["groups"]))
+        rows = [[k, len(g), ", ".join(g), t] for k, (g, t) in enumerate(zip(split["groups"], tokens))]
+        tables["split"] = {"headers": ["group", "sources", "names", "training tokens"], "rows": rows}
+    return tables
+
+
+def _brief(sources: list[str], shown: int = 6) -> str:
+    """A branch's sources in one cell: vision_flan splits into ~190 sources."""
+    more = f", … ({len(sources)} in all)" if len(sources) > shown else ""
+    return ", ".join(sources[:shown]) + more
+
+
+def _write_plots(out: Path, models: list[dict[str, Any]], sources: list[str],
+                 curves: dict[str, tuple[list[int], list[float]]]) -> list[str]:  # fmt: skip
+    """The report's PNGs that have data; stale ones from an earlier build are removed."""
+    written = []
+    if models:
+        plot_heldout_loss([m["name"] for m in models], [m["kind"] for m in models], [m["loss"] for m in models],
+                          out / "heldout_loss.png")  # fmt: skip
+        written.append("heldout_loss.png")
+    theta0 = next((m for m in models if m["name"] == "theta0"), None)
+    others = [m for m in models if m is not theta0]
+    if theta0 and others and sources:
+        delta = np.array([[m["sources"].get(s, {}).get("loss", np.nan) - theta0["sources"].get(s, {}).get("loss", np.nan)
+                           for s in sources] for m in others], dtype=float)  # fmt: skip
+        plot_per_source([m["name"] for m in others], sources, delta, out / "per_source.png")
+        written.append("per_source.png")
+    if curves:
+        plot_training_curves(curves, out / "training_curves.png")
+        written.append("training_curves.png")
+    for stale in set(PLOT_FILES) - set(written):
+        (out / stale).unlink(missing_ok=True)
+    return written
+
+
+def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
+    run, tables = report["run"], report["tables"]
+    dropped = f" ({len(run['dropped_sources'])} dropped)" if run["dropped_sources"] else ""
+    lines = [f"# Run report: {run['name']}", "", f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
+             f"model `{run['model']}`, {len(run['sources'])} sources{dropped}."]  # fmt: skip
+
+    def section(title: str, *blocks: str) -> None:
+        lines.extend(["", f"## {title}", ""])
+        lines.append("\n\n".join(b for b in blocks if b))
+
+    if head := report.get("headline"):
+        refs = {"vs_joint": "the joint baseline", "vs_theta0": "θ0"}
+        against = [f"against {label} ({v['loss']:.4f}): {v['delta']:+.4f} ({v['relative_pct']:+.2f} %)"
+                   for key, label in refs.items() if (v := head.get(key))]  # fmt: skip
+        section("Headline", f"Best merged model **{head['model']}**: held-out loss **{head['loss']:.4f}**; "
+                + ("; ".join(against) or "no joint baseline or θ0 evaluated") + ".")  # fmt: skip
+    figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
+    if "models" in tables:
+        section("Models", figure.get("heldout_loss.png", ""), markdown_table(**tables["models"]))
+    if "per_source" in tables:
+        section("Per-source held-out loss", figure.get("per_source.png", ""), markdown_table(**tables["per_source"]))
+    if "branches" in tables:
+        section("Branches", figure.get("training_curves.png", ""), markdown_table(**tables["branches"]))
+    if split := report.get("split"):
+        variance = ", ".join(f"{100 * v:.1f} %" for v in split.get("explained_variance", []))
+        facts = [f"method `{split['method']}`" if "method" in split else "", f"r = {split['r']}" if split.get("r") else "",
+                 f"explained variance of the principal axes: {variance}" if variance else ""]  # fmt: skip
+        about = "; ".join(filter(None, facts))
+        table = markdown_table(**tables["split"]) if "split" in tables else ""
+        section("Split", f"Split: {about}." if about else "", table)
+    if costs := report.get("costs"):
+        section("Costs", "\n".join(_cost_lines(costs)))
+    if others:
+        section("Other plots", "\n".join(f"- [{p}](../{p})" for p in others))
+    return "\n".join(lines) + "\n"
+
+
+def _cost_lines(costs: dict[str, Any]) -> list[str]:
+    labels = {"calibration_seconds": "calibration", "calibration_gradient_seconds": "calibration gradients",
+              "warmup_train_seconds": "warm-up training", "branch_train_seconds_mean": "branch training, mean",
+              "branch_train_seconds_max": "branch training, max", "joint_train_seconds": "joint baseline training"}  # fmt: skip
+    lines = [f"- {label}: {costs[key]:,.2f} s" for key, label in labels.items() if costs.get(key) is not None]
+    if "calibration_share_pct" in costs:
+        lines.append(f"- **calibration share** (calibration / mean branch training): **{costs['calibration_share_pct']:.2f} %**"
+                     f" (MERIT: ≤ {MERIT_SHARE_PCT} % at 7B; target ≤ {TARGET_SHARE_PCT} %)")  # fmt: skip
+    lines += [f"- merge `{name}` ({m['method']}): {m['seconds']:,.2f} s" for name, m in costs.get("merges", {}).items()
+              if m["seconds"] is not None]  # fmt: skip
+    return lines
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,77 @@
+"""The report's plots, as PNGs: held-out loss per model, per-source change against θ0, training curves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+KIND_COLOURS = {"theta0": "tab:grey", "branch": "tab:blue", "joint": "tab:green", "merged": "tab:orange", "other": "tab:purple"}
+ANNOTATE_CELLS = 200  # above this many heatmap cells the numbers would be unreadable
+
+
+def plot_heldout_loss(names: list[str], kinds: list[str], losses: list[float], path: Path) -> Path:
+    """One bar per model in the given order; merged models hatched and outlined."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4))
+    bars = ax.bar(range(len(names)), losses, color=[KIND_COLOURS[k] for k in kinds])
+    for bar, kind in zip(bars, kinds):
+        if kind == "merged":
+            bar.set(edgecolor="black", linewidth=1.5, hatch="//")
+    ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    # Models of one run differ by a few percent: an axis from 0 would hide the differences.
+    ax.set_ylim(0.9 * min(losses), 1.05 * max(losses))
+    ax.set_ylabel("held-out loss (token-weighted)")
+    ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=k) for k in dict.fromkeys(kinds)], fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title("Held-out loss per model (lower is better)")
+    return _save(fig, path)
+
+
+def plot_per_source(models: list[str], sources: list[str], delta: np.ndarray, path: Path) -> Path:
+    """Heatmap models × sources of held-out loss minus θ0's, centred at 0 (blue: better than θ0)."""
+    finite = np.abs(delta[np.isfinite(delta)])
+    limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(sources) + 3), max(3.0, 0.4 * len(models) + 2)))
+    image = ax.imshow(delta, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    ax.set_xticks(range(len(sources)), sources, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(models)), models, fontsize=8)
+    if delta.size <= ANNOTATE_CELLS:
+        for (i, j), value in np.ndenumerate(delta):
+            if np.isfinite(value):
+                colour = "white" if abs(value) > 0.6 * limit else "black"  # readable on the dark ends
+                ax.text(j, i, f"{value:+.2f}", ha="center", va="center", fontsize=7, color=colour)
+    fig.colorbar(image, ax=ax, label="held-out loss − θ0's")
+    ax.set_title("Per-source held-out loss against θ0")
+    return _save(fig, path)
+
+
+def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path) -> Path:
+    """Training loss per optimizer step of the warm-up, every branch and the joint baseline."""
+    styles = {"warmup": {"color": "grey", "ls": ":"}, "joint": {"color": "black", "ls": "--"}}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (steps, losses) in curves.items():
+        ax.plot(steps, losses, lw=1.2, label=name, **styles.get(name, {}))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7, ncol=max(1, len(curves) // 8))
+    ax.grid(alpha=0.3)
+    ax.set_title("Training loss")
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """Written under a temporary name and renamed, so a reader never sees half a PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

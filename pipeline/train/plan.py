@@ -1,0 +1,61 @@
+"""What a run trains, as branch specs: the joint warm-up that makes θ0, MERIT's K groups from
+the split, and the joint baseline. Every one trains through ``train_branch``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.config import RunConfig
+from pipeline.data import active_sources, read_manifest
+from pipeline.layout import CALIBRATION, JOINT, WARMUP, base_path, branch_dir, init_path
+from pipeline.train.spec import BranchSpec
+
+
+def _spec(cfg: RunConfig, run_dir: str | Path, name: str, init: str, sources: list[str], out: Path,
+          **train: object) -> BranchSpec:  # fmt: skip
+    config = cfg.model_copy(update={"train": cfg.train.model_copy(update=train)}) if train else cfg
+    return BranchSpec(name=name, run_dir=str(run_dir), init=init, sources=sources, out_dir=str(out), config=config)
+
+
+def all_sources(run_dir: str | Path) -> list[str]:
+    return list(active_sources(read_manifest(run_dir)))
+
+
+def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
+    """The joint warm-up from the base model on every source; its ``final/`` is θ0."""
+    w = cfg.warmup
+    return _spec(cfg, run_dir, WARMUP, base_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / WARMUP,
+                 steps=w.steps, lr=w.lr or cfg.train.lr)  # fmt: skip
+
+
+def split_groups(run_dir: str | Path) -> list[list[str]]:
+    path = Path(run_dir) / CALIBRATION / "split.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the calibrate stage first")
+    return json.loads(path.read_text())["groups"]
+
+
+def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
+    """One branch per group of the split, each from θ0 with the ``train`` section as it is."""
+    init = init_path(cfg, run_dir)
+    return [_spec(cfg, run_dir, str(k), init, group, branch_dir(run_dir, k)) for k, group in enumerate(split_groups(run_dir))]
+
+
+def joint_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
+    """The baseline: every source in one branch with the K branches' total budget (K × steps at
+    the same batch), so merged and joint models have seen the same number of examples."""
+    steps = cfg.branch_count * cfg.train.steps
+    return _spec(cfg, run_dir, JOINT, init_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / JOINT, steps=steps)
+
+
+def branch_spec(cfg: RunConfig, run_dir: str | Path, name: str) -> BranchSpec:
+    """A run's branch by name: ``warmup``, ``joint`` or a group number."""
+    if name == WARMUP:
+        return warmup_spec(cfg, run_dir)
+    if name == JOINT:
+        return joint_spec(cfg, run_dir)
+    specs = group_specs(cfg, run_dir)
+    if not name.isdigit() or int(name) >= len(specs):
+        raise ValueError(f"unknown branch '{name}': the run has warmup, joint and groups 0..{len(specs) - 1}")
+    return specs[int(name)]

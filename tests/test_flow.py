@@ -1,0 +1,158 @@
+"""The MERIT flow end to end on a temporary Prefect API: real DeepSpeed branches, merges,
+evaluation, report and artifacts; re-runs that redo nothing; a SIGKILLed branch that a task
+retry resumes; a branch that fails for good."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from conftest import processes_of
+from flows.merit import merit
+from pipeline.checkpoint import is_complete, read_manifest
+
+ROOT = Path(__file__).parent.parent
+OVERRIDES = [
+    "data.builtin.examples_per_source=24", "calibration.n_per_source=4", "warmup.steps=4", "train.steps=16",
+    "train.micro_batch=4", "train.checkpoint_every=4", f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "flow.retry_delay_s=0", "merge.fisher_examples=4",
+    "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}, {name: fisher, method: fisher}]",
+]  # fmt: skip
+MERGES = ["token_average", "iso_c", "fisher"]
+
+
+def run_flow(run_dir: Path, *extra: str):
+    return merit(config=str(ROOT / "configs/demo.yaml"), overrides=[*OVERRIDES, *extra], run_dir=str(run_dir), return_state=True)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def copy_prepared(source: Path, dest: Path) -> Path:
+    """A run whose data, θ0 (warm-up), split and joint baseline are done, but no branch is."""
+    shutil.copytree(source, dest, ignore=lambda d, names: [n for n in names if d == str(source) and n in
+                                                           ("branches", "merged", "eval", "report")])  # fmt: skip
+    return dest
+
+
+@pytest.fixture(scope="module")
+def finished_run(prefect_api, tmp_path_factory) -> tuple[Path, object]:
+    run_dir = tmp_path_factory.mktemp("flow") / "run"
+    state = run_flow(run_dir)
+    assert state.is_completed(), state.message
+    return run_dir, state
+
+
+def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
+    run_dir, state = finished_run
+    assert state.result() == str(run_dir / "report" / "report.md")
+    theta0 = run_dir / "warmup" / "final"  # the joint warm-up is θ0
+    assert read_manifest(theta0)["step"] == 4
+    finals = [run_dir / "branches" / str(k) / "final" for k in range(2)]
+    groups = json.loads((run_dir / "calibration" / "split.json").read_text())["groups"]
+    for final, group in zip(finals, groups):
+        manifest = read_manifest(final)
+        assert manifest["parent"] == str(theta0) and manifest["sources"] == group and manifest["step"] == 16
+    assert read_manifest(run_dir / "joint" / "final")["step"] == 32  # K x steps: the same budget
+
+    # MERIT's merge is the token-weighted average of the branches, tensor by tensor.
+    tokens = torch.tensor([read_manifest(f)["tokens_seen"] for f in finals], dtype=torch.float64)
+    w = tokens / tokens.sum()
+    branches, merged = [weights(f) for f in finals], weights(run_dir / "merged" / "token_average")
+    for name, value in merged.items():
+        expected = sum(wk * b[name].double() for wk, b in zip(w, branches))
+        assert torch.allclose(value.double(), expected, atol=1e-6), name
+    AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "iso_c")
+    assert is_complete(run_dir / "branches" / "0" / "fisher")  # the Fisher merge estimated its inputs
+
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    expected = {"theta0", "branch-0", "branch-1", "joint", *(f"merged-{m}" for m in MERGES)}
+    assert {m["name"] for m in report["models"]} == expected
+    for model in report["models"]:
+        evaluated = json.loads((run_dir / "eval" / f"{model['name']}.json").read_text())
+        assert model["loss"] == pytest.approx(evaluated["loss"]) and 0 < evaluated["loss"] < 20
+    joint_loss = next(m["loss"] for m in report["models"] if m["name"] == "joint")
+    theta0_loss = next(m["loss"] for m in report["models"] if m["name"] == "theta0")
+    assert joint_loss < theta0_loss  # training helps on held-out data
+    assert report["costs"]["calibration_share_pct"] > 0
+    for plot in ("heldout_loss.png", "per_source.png", "training_curves.png"):
+        assert (run_dir / "report" / plot).stat().st_size > 5_000
+
+    with get_client(sync_client=True) as client:
+        run_id = state.state_details.flow_run_id
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    by_key = {a.key: a for a in artifacts if a.key}
+    assert by_key["demo-report"].type == "markdown" and "## Models" in by_key["demo-report"].data
+    assert by_key["demo-models"].type == "table" and "merged-token_average" in json.dumps(by_key["demo-models"].data)
+    assert by_key["demo-training"].type == "progress" and float(by_key["demo-training"].data) == 100.0
+    assert any(a.type == "markdown" and "file://" in a.data and "heldout_loss.png" in a.data for a in artifacts)
+
+
+def test_a_rerun_redoes_nothing(finished_run):
+    run_dir, _ = finished_run
+    outputs = [*run_dir.glob("*/final/manifest.json"), *run_dir.glob("branches/*/final/manifest.json"),
+               *run_dir.glob("merged/*/manifest.json"), *run_dir.glob("eval/*.json"), *run_dir.glob("**/train.log")]  # fmt: skip
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs}
+    assert len(before) >= 15
+    assert run_flow(run_dir).is_completed()
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs} == before
+
+
+def test_a_killed_branch_is_resumed_by_the_task_retry(finished_run, tmp_path):
+    reference, _ = finished_run
+    run_dir = copy_prepared(reference, tmp_path / "run")
+    branch = run_dir / "branches" / "0"
+    killed = []
+
+    def kill_branch_0_after_its_first_checkpoint():
+        latest, deadline = branch / "checkpoints" / "latest.json", time.monotonic() + 600
+        while time.monotonic() < deadline and not is_complete(branch / "final"):
+            pids = processes_of(branch / "spec.json")
+            if len(pids) == 2 and latest.is_file():  # the launcher and its rank
+                for pid in pids:  # a spot instance taken away: every process at once, no clean-up
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(json.loads(latest.read_text())["step"])
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_branch_0_after_its_first_checkpoint)
+    killer.start()
+    state = run_flow(run_dir)
+    killer.join()
+    assert killed, "branch 0 finished before it could be killed"
+    assert state.is_completed(), state.message
+    log = (branch / "train.log").read_text()
+    assert f"branch 0: resumed from step{killed[0]}" in log
+    for name in MERGES:
+        a, b = weights(reference / "merged" / name), weights(run_dir / "merged" / name)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, name
+
+
+def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_run, tmp_path):
+    run_dir = copy_prepared(finished_run[0], tmp_path / "run")
+    pointer = run_dir / "branches" / "1" / "checkpoints" / "latest.json"
+    pointer.parent.mkdir(parents=True)
+    pointer.write_text(json.dumps({"tag": "step999", "step": 999}))  # names a checkpoint that is not there
+    state = run_flow(run_dir, "flow.branch_retries=1")
+    assert state.is_failed() and "1 branch(es) failed for good: branch 1: training exit code 1" in state.message
+    assert "step999, which cannot be loaded" in (run_dir / "branches" / "1" / "train.log").read_text()
+    finished = run_dir / "branches" / "0" / "final" / "manifest.json"
+    assert is_complete(finished.parent) and not (run_dir / "merged").exists()
+
+    stamp = finished.stat().st_mtime_ns
+    pointer.unlink()  # the cause is fixed: a re-run trains branch 1 only
+    assert run_flow(run_dir).is_completed()
+    assert finished.stat().st_mtime_ns == stamp and is_complete(run_dir / "branches" / "1" / "final")

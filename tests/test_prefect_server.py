@@ -1,0 +1,92 @@
+"""Integration with a real Prefect server: start it, create the process work pool, deploy
+``merit/demo`` from prefect.yaml, ``prefect deployment run`` it, let a worker run it once, and
+check through the API that the run completed and published its report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoModelForImageTextToText
+
+from pipeline.checkpoint import is_complete
+from pipeline.train.launch import free_port
+
+ROOT = Path(__file__).parent.parent
+PREFECT = str(Path(sys.executable).parent / "prefect")  # the CLI of the environment running the tests
+# The demo at test size; data, θ0 and split are made by the flow itself here, nothing is copied.
+OVERRIDES = [
+    "data.builtin.examples_per_source=24", "calibration.n_per_source=4", "warmup.steps=0", "train.steps=6",
+    "train.micro_batch=4", "train.checkpoint_every=3", "flow.joint_baseline=false",
+    "merge.methods=[{name: token_average, method: weighted_average}]",
+]  # fmt: skip
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A Prefect server on a free local port with its own PREFECT_HOME; stopped afterwards
+    (its whole process group, and nothing else)."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}  # fmt: skip
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{env['PREFECT_API_URL']}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the Prefect server did not start in 180 s"
+            time.sleep(0.5)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def prefect(env: dict, *args: str, timeout: int = 120) -> str:
+    done = subprocess.run([PREFECT, "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def api(env: dict, path: str, body: dict) -> list[dict]:
+    response = httpx.post(f"{env['PREFECT_API_URL']}/{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_deployment_run_by_a_worker_completes_and_publishes_the_report(server, tmp_path):
+    run_dir = tmp_path / "run"
+    prefect(server, "work-pool", "create", "merit-local", "--type", "process")
+    prefect(server, "deploy", "--name", "demo")
+    params = json.dumps({"overrides": OVERRIDES, "run_dir": str(run_dir)})
+    prefect(server, "deployment", "run", "merit/demo", "--params", params)
+    # --limit makes --run-once wait for the run it picked up before the worker exits.
+    prefect(server, "worker", "start", "--pool", "merit-local", "--run-once", "--limit", "1", timeout=900)
+
+    [run] = api(server, "flow_runs/filter", {})
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["parameters"]["run_dir"] == str(run_dir)
+    artifacts = api(server, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    report = next(a for a in artifacts if a["key"] == "demo-report")
+    assert report["type"] == "markdown" and "## Models" in report["data"]
+    assert any(a["type"] == "progress" and float(a["data"]) == 100.0 for a in artifacts)
+    assert is_complete(run_dir / "merged" / "token_average")
+    AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "token_average")

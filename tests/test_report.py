@@ -1,0 +1,213 @@
+"""The run report, built from a synthetic run directory written to the producers' contract."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import write_json
+from PIL import Image
+
+from pipeline.config import load_config, save_config
+from pipeline.report import build_report, markdown_table
+from pipeline.report.build import train_seconds
+from pipeline.train.spec import BranchSpec
+
+SOURCES = ["captions", "counting", "ocr", "vqa"]
+GROUPS = [["captions", "vqa"], ["counting", "ocr"]]
+# model -> per-source held-out losses; the aggregate loss is their token-weighted mean (equal tokens)
+LOSSES = {
+    "theta0": [2.0, 2.2, 1.8, 2.0],
+    "branch-0": [1.4, 2.0, 1.7, 1.3],
+    "branch-1": [1.9, 1.5, 1.3, 1.9],
+    "joint": [1.2, 1.2, 1.1, 1.3],
+    "merged-avg": [1.4, 1.3, 1.2, 1.3],
+    "merged-iso": [1.3, 1.2, 1.2, 1.3],
+}
+
+
+def write_base(run: Path) -> None:
+    cfg = load_config(None, [])
+    save_config(cfg, run / "config.yaml")
+    info = {"examples": 20, "train_examples": 18, "heldout_indices": [0, 1], "supervised_tokens": 100, "format": "builtin",
+            "truncated": 0, "skipped": 0}  # fmt: skip
+    sources = {s: {**info, "train_tokens": 1000 * (i + 1)} for i, s in enumerate(SOURCES)}
+    write_json(run / "data" / "manifest.json", {"config_digest": "abc", "max_length": 1024,
+                                                "sources": {**sources, "broken": {"dropped": True, "skipped": 3}}})  # fmt: skip
+
+
+def write_eval(run: Path, model: str) -> float:
+    losses = LOSSES[model]
+    loss = sum(losses) / len(losses)
+    per_source = {s: {"loss": v, "token_accuracy": 0.5, "tokens": 50, "examples": 2} for s, v in zip(SOURCES, losses)}
+    write_json(run / "eval" / f"{model}.json", {"model": model, "checkpoint": f"ckpt/{model}", "checkpoint_id": "x",
+               "config_digest": "abc", "sources": per_source, "loss": loss, "macro_loss": loss + 0.01,
+               "token_accuracy": 0.6, "seconds": 1.0})  # fmt: skip
+    return loss
+
+
+def write_training(run: Path, folder: str, sources: list[str], records: list[dict], final: dict | None) -> None:
+    out = run / folder
+    cfg = load_config(run / "config.yaml")
+    BranchSpec(name=folder, run_dir=str(run), init=str(run / "init"), sources=sources, out_dir=str(out), config=cfg).save(
+        out / "spec.json"
+    )
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if final is not None:
+        write_json(out / "final" / "manifest.json", {"files": {}, "sources": sources, "branch": folder, **final})
+
+
+def metrics(losses: list[float], tokens_per_step: int, rates: list[float], elapsed: list[float] | None) -> list[dict]:
+    records = []
+    for i, (loss, rate) in enumerate(zip(losses, rates)):
+        r = {"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": tokens_per_step * (i + 1), "tokens_per_s": rate, "grad_norm": 1.0}
+        if elapsed is not None:
+            r["elapsed_s"] = elapsed[i]
+        records.append(r)
+    return records
+
+
+@pytest.fixture
+def full_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    write_base(run)
+    for model in LOSSES:
+        write_eval(run, model)
+    write_training(run, "warmup", SOURCES, metrics([3.0, 2.5], 100, [100, 100], None), None)
+    # branch 0: train_seconds in its final manifest wins over the metrics' elapsed_s
+    write_training(run, "branches/0", GROUPS[0], metrics([2.0, 1.8, 1.5], 1000, [50, 50, 50], [10.0, 20.0, 39.0]),
+                   {"step": 3, "tokens_seen": 3000, "train_seconds": 40.0})  # fmt: skip
+    # branch 1: neither train_seconds nor elapsed_s (an older file): 1000/50 + 1000/50 + 1000/100 = 50 s
+    write_training(run, "branches/1", GROUPS[1], metrics([2.1, 1.9, 1.6], 1000, [50, 50, 100], None),
+                   {"step": 3, "tokens_seen": 3000})  # fmt: skip
+    write_training(run, "joint", SOURCES, metrics([2.0, 1.7, 1.4, 1.2], 1500, [100] * 4, [15.0, 30.0, 45.0, 70.0]),
+                   {"step": 4, "tokens_seen": 6000})  # fmt: skip
+    for name, method, seconds in (("avg", "weighted_average", 1.5), ("iso", "iso_c", 4.25)):
+        write_json(run / "merged" / name / "manifest.json", {"kind": "merge", "spec": {"method": method, "params": {}},
+                   "report": {"total_seconds": seconds, "tensors": 10, "method_counts": {method: 10}}, "files": {}})  # fmt: skip
+    calibration = run / "calibration"
+    write_json(calibration / "summary.json", {"groups": GROUPS, "tokens": [5000, 5000], "explained_variance": [0.62],
+               "gradient_seconds": 0.7, "total_seconds": 0.9, "parameters": 1000, "dim": 64, "sketch": "projection",
+               "plots": ["calibration/conflicts.png"]})  # fmt: skip
+    write_json(calibration / "split.json", {"groups": GROUPS, "tokens": [5000, 5000], "r": 1, "explained_variance": [0.62],
+                                            "method": "pca", "seed": 0})  # fmt: skip
+    Image.new("RGB", (8, 8)).save(calibration / "conflicts.png")
+    Image.new("RGB", (8, 8)).save(run / "branches" / "0" / "loss.png")
+    return run
+
+
+def mean_loss(model: str) -> float:
+    return sum(LOSSES[model]) / len(SOURCES)
+
+
+def test_full_report(full_run: Path):
+    report = build_report(full_run)
+    assert report == json.loads((full_run / "report" / "report.json").read_text())
+    assert set(report) == {"run", "models", "branches", "split", "costs", "headline", "plots", "tables"}
+    assert report["run"]["name"] == load_config(full_run / "config.yaml").run.name
+    assert report["run"]["config_digest"] == load_config(full_run / "config.yaml").digest()
+    assert report["run"]["dropped_sources"] == ["broken"]
+
+    # fixed order: θ0, branches, joint, merges; Δ vs joint against the joint's loss
+    assert [m["name"] for m in report["models"]] == list(LOSSES)
+    assert [m["kind"] for m in report["models"]] == ["theta0", "branch", "branch", "joint", "merged", "merged"]
+    for m in report["models"]:
+        assert m["loss"] == pytest.approx(mean_loss(m["name"]))
+        assert m["delta_vs_joint"] == pytest.approx(mean_loss(m["name"]) - mean_loss("joint"))
+        assert m["sources"]["ocr"]["loss"] == LOSSES[m["name"]][2]
+    table = report["tables"]["models"]
+    assert table["headers"] == ["model", "kind", "held-out loss", "macro loss", "token accuracy", "Δ vs joint"]
+    assert table["rows"][-1] == ["merged-iso", "merged", 1.25, 1.26, 0.6, round(1.25 - 1.2, 4)]
+    per_source = report["tables"]["per_source"]
+    assert per_source["headers"] == ["source", *LOSSES]
+    assert per_source["rows"][1] == ["counting", *(LOSSES[m][1] for m in LOSSES)]
+
+    headline = report["headline"]
+    assert headline["model"] == "merged-iso"
+    assert headline["vs_joint"]["relative_pct"] == pytest.approx(100 * (1.25 - 1.2) / 1.2)
+    assert headline["vs_theta0"]["delta"] == pytest.approx(1.25 - 2.0)
+
+    branches = {b["name"]: b for b in report["branches"]}
+    assert list(branches) == ["warmup", "branch-0", "branch-1", "joint"]
+    assert branches["branch-0"]["train_seconds"] == 40.0
+    assert branches["branch-1"]["train_seconds"] == pytest.approx(50.0)
+    assert branches["joint"]["train_seconds"] == 70.0
+    assert branches["warmup"]["train_seconds"] == pytest.approx(2.0)  # no final manifest: from the metrics
+    assert branches["branch-1"] | {"train_seconds": None} == {"name": "branch-1", "kind": "branch", "dir": "branches/1",
+           "sources": GROUPS[1], "tokens": 3000, "steps": 3, "train_seconds": None, "last_loss": 1.6}  # fmt: skip
+    assert report["tables"]["branches"]["rows"][1] == ["branch-0", "branch", "captions, vqa", 3000, 3, 40.0, 1.5]
+
+    costs = report["costs"]
+    assert costs["branch_train_seconds_mean"] == pytest.approx(45.0)
+    assert costs["branch_train_seconds_max"] == pytest.approx(50.0)
+    assert costs["calibration_share_pct"] == pytest.approx(100 * 0.9 / 45.0)
+    assert costs["merges"] == {"avg": {"method": "weighted_average", "seconds": 1.5}, "iso": {"method": "iso_c", "seconds": 4.25}}
+    assert report["split"] == {"groups": GROUPS, "tokens": [5000, 5000], "r": 1, "explained_variance": [0.62], "method": "pca",
+                               "seed": 0}  # fmt: skip
+
+    own = ["heldout_loss.png", "per_source.png", "training_curves.png"]
+    assert report["plots"] == [*own, "../calibration/conflicts.png", "../branches/0/loss.png"]  # relative to report/
+    for path in report["plots"]:
+        assert (full_run / "report" / path).is_file()
+    for path in own:
+        with Image.open(full_run / "report" / path) as image:
+            assert image.format == "PNG" and image.size[0] > 300
+        assert (full_run / "report" / path).stat().st_size > 5000
+
+    md = (full_run / "report" / "report.md").read_text()
+    assert "held-out loss **1.2500**" in md
+    assert "(1.2000): +0.0500 (+4.17 %)" in md  # vs joint
+    assert "(2.0000): -0.7500 (-37.50 %)" in md  # vs θ0
+    assert "**2.00 %**" in md  # calibration share
+    for link in ("![held-out loss](heldout_loss.png)", "](per_source.png)", "](training_curves.png)",
+                 "(../calibration/conflicts.png)", "(../branches/0/loss.png)"):  # fmt: skip
+        assert link in md
+    for title in ("Headline", "Models", "Per-source held-out loss", "Branches", "Split", "Costs", "Other plots"):
+        assert f"\n## {title}\n" in md
+    assert "| merged-iso | merged | 1.2500 | 1.2600 | 0.6000 | 0.0500 |" in md
+    assert not list((full_run / "report").glob(".*"))  # no temporary files left
+
+
+def test_minimal_run(tmp_path: Path):
+    """Only config, data manifest and θ0's evaluation: the report has what there is, no crash."""
+    run = tmp_path / "run"
+    write_base(run)
+    write_eval(run, "theta0")
+    report = build_report(run)
+    assert set(report) == {"run", "models", "plots", "tables"}
+    assert report["plots"] == ["heldout_loss.png"]
+    assert set(report["tables"]) == {"models", "per_source"}
+    assert report["tables"]["models"]["headers"][-1] == "token accuracy"  # no joint: no Δ column
+    md = (run / "report" / "report.md").read_text()
+    assert "## Models" in md and "## Headline" not in md and "## Branches" not in md and "## Costs" not in md
+    assert "per_source.png" not in md
+
+    (run / "eval" / "theta0.json").unlink()
+    (run / "branches" / "0").mkdir(parents=True)  # a branch that started but wrote nothing yet
+    report = build_report(run)
+    assert set(report) == {"run", "plots", "tables"} and report["plots"] == []
+    assert not (run / "report" / "heldout_loss.png").exists()  # stale plot removed
+
+
+def test_report_without_joint_or_merges(full_run: Path):
+    for path in [full_run / "eval" / "joint.json", *(full_run / "eval").glob("merged-*.json")]:
+        path.unlink()
+    shutil.rmtree(full_run / "merged")
+    (full_run / "calibration" / "split.json").unlink()
+    report = build_report(full_run)
+    assert "headline" not in report and "merges" not in report["costs"]
+    assert all("delta_vs_joint" not in m for m in report["models"])
+    assert report["split"]["groups"] == GROUPS and "method" not in report["split"]  # from summary.json alone
+
+
+def test_train_seconds_fallback():
+    assert train_seconds([]) is None
+    assert train_seconds(metrics([1.0, 1.0], 100, [10, 50], [3.0, 7.5])) == 7.5
+    assert train_seconds(metrics([1.0, 1.0, 1.0], 100, [10, 50, 0], None)) == pytest.approx(10 + 2)  # a 0 rate is skipped
+
+
+def test_markdown_table():
+    text = markdown_table(["name", "n", "x"], [["a|b", 1234, 0.5], ["c", None, 1.0]])
+    assert text.splitlines() == ["| name | n | x |", "|:---|---:|---:|", "| a\\|b | 1,234 | 0.5000 |", "| c |  | 1.0000 |"]
