@@ -23,7 +23,7 @@ from calibration.gradients import (
 )
 from calibration.plots import plot_accuracy_curve, plot_axes, plot_conflicts, plot_explained_variance
 from calibration.split import SplitPlan, conflict_matrix, plan_split
-from pipeline.checkpoint import is_complete, write_json_atomic
+from pipeline.checkpoint import checkpoint_id, is_complete, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
 from pipeline.layout import init_path, is_tiny
@@ -72,7 +72,7 @@ class _Estimator:
 def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, force: bool = False) -> dict[str, Any]:
     """Write gradients, conflicts, ``split.json`` and plots; reuse them when up to date."""
     run_dir, out = Path(run_dir), Path(run_dir) / OUT_DIR
-    digest = cfg.digest("run", "model", "data", "calibration")
+    digest = cfg.digest("run", "model", "data", "calibration") + "/" + checkpoint_id(init_path(cfg, run_dir))
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     if summary.get("config_digest") == digest and not force and (summary.get("diagnostics") or not diagnostics):

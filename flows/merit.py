@@ -7,29 +7,20 @@ Every stage is idempotent, so re-running a flow on the same run directory resume
 
 from __future__ import annotations
 
-from pathlib import Path
+import queue
 
 import torch
 from prefect import flow
-from prefect.futures import wait
 from prefect.logging import get_run_logger
 
 from flows import tasks
 from flows.progress import BranchProgress
 from flows.report import artifact_key, report
-from pipeline.config import RunConfig, load_config, save_config
-from pipeline.layout import CONFIG, JOINT, WARMUP, run_models
+from pipeline.config import RunConfig
+from pipeline.layout import JOINT, WARMUP, run_models, start_run
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
-
-
-def resolve_run(config: str, overrides: list[str] | None, run_dir: str | None) -> tuple[RunConfig, str]:
-    """Validate the config, save it as the run's ``config.yaml``; every task reads it from there."""
-    cfg = load_config(config, overrides or [])
-    run_dir = str(Path(run_dir or Path("runs") / cfg.run.name).absolute())
-    save_config(cfg, Path(run_dir) / CONFIG)
-    return cfg, run_dir
 
 
 def branch_slots(cfg: RunConfig) -> list[list[int] | None]:
@@ -44,30 +35,34 @@ def branch_slots(cfg: RunConfig) -> list[list[int] | None]:
     return [list(range(i * per, (i + 1) * per)) for i in range(min(cfg.flow.parallel_branches or fits, fits))]
 
 
-def train_branches(cfg: RunConfig, run_dir: str, names: list[str]) -> dict[str, dict]:
+def train_branches(cfg: RunConfig, run_dir: str, names: list[str], progress_key: str) -> dict[str, dict]:
     """Train the named branches, at most one per slot at a time. A branch that fails after its
     retries does not stop the others: they finish and stay on disk, then the flow fails naming
     every failed branch, and a re-run trains only those."""
-    train = tasks.train.with_options(retries=cfg.flow.branch_retries, retry_delay_seconds=cfg.flow.retry_delay_s)
-    progress = BranchProgress([branch_spec(cfg, run_dir, n) for n in names], artifact_key(cfg.run.name, "training"))
-    free, pending, running = branch_slots(cfg), list(names), {}
+    train = tasks.train.with_options(retries=cfg.flow.branch_retries, retry_delay_seconds=cfg.flow.retry_delay_s,
+                                     retry_condition_fn=tasks.worth_retrying)  # fmt: skip
+    progress = BranchProgress([branch_spec(cfg, run_dir, n) for n in names], artifact_key(cfg.run.name, progress_key))
+    free, pending, running, finished = branch_slots(cfg), list(names), {}, queue.Queue()
     results, failures = {}, {}
     while pending or running:
         while pending and free:
             name, slot = pending.pop(0), free.pop(0)
             running[name] = (train.submit(run_dir, name, gpus=slot), slot)
-        wait([future for future, _ in running.values()], timeout=POLL_S)
-        progress.update()
-        for name, (future, slot) in list(running.items()):
-            if future.state.is_final():
-                del running[name]
-                free.append(slot)
-                try:
-                    results[name] = future.result()
-                except Exception as err:  # noqa: BLE001 — collected and raised below, naming the branch
-                    failures[name] = err
+            running[name][0].add_done_callback(lambda _, name=name: finished.put(name))
+        try:
+            name = finished.get(timeout=POLL_S)
+        except queue.Empty:
+            progress.update()
+            continue
+        future, slot = running.pop(name)
+        free.append(slot)
+        try:
+            results[name] = future.result()
+        except Exception as err:  # noqa: BLE001 — collected, and raised below naming the branch
+            failures[name] = str(err) if f"branch {name}" in str(err) else f"branch {name}: {err}"
+    progress.update()
     if failures:
-        raise RuntimeError(f"{len(failures)} branch(es) failed for good: " + "; ".join(f"{e}" for e in failures.values()))
+        raise RuntimeError(f"{len(failures)} branch(es) failed for good: " + "; ".join(failures.values()))
     return results
 
 
@@ -84,26 +79,28 @@ def start(run_dir: str, cfg: RunConfig) -> None:
     tasks.prepare(run_dir)
     tasks.init(run_dir)
     if cfg.warmup.steps:
-        train_branches(cfg, run_dir, [WARMUP])
+        train_branches(cfg, run_dir, [WARMUP], "warmup")
 
 
 @flow(name="merit", log_prints=True)
-def merit(config: str = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+def merit(config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
     """The MERIT pipeline on one run directory; returns the path of the report."""
-    cfg, run_dir = resolve_run(config, overrides, run_dir)
+    cfg, run_dir = start_run(config, overrides or [], run_dir)
+    run_dir = str(run_dir.absolute())
     start(run_dir, cfg)
     groups = tasks.calibrate(run_dir)["groups"]
-    baseline = [JOINT] if cfg.flow.joint_baseline else []
-    train_branches(cfg, run_dir, [str(k) for k in range(len(groups))] + baseline)
+    baseline = [JOINT] if cfg.flow.joint_baseline else []  # first: the longest job, so slots end together
+    train_branches(cfg, run_dir, baseline + [str(k) for k in range(len(groups))], "training")
     for entry in cfg.merge.methods:
         tasks.merge(run_dir, entry.name)
     return evaluate_and_report(cfg, run_dir)
 
 
 @flow(name="joint", log_prints=True)
-def joint(config: str = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+def joint(config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
     """The joint baseline alone: every source in one branch with the K branches' total budget."""
-    cfg, run_dir = resolve_run(config, overrides, run_dir)
+    cfg, run_dir = start_run(config, overrides or [], run_dir)
+    run_dir = str(run_dir.absolute())
     start(run_dir, cfg)
-    train_branches(cfg, run_dir, [JOINT])
+    train_branches(cfg, run_dir, [JOINT], "training")
     return evaluate_and_report(cfg, run_dir)

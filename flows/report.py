@@ -29,7 +29,8 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
     for name, table in built["tables"].items():
         rows = [dict(zip(table["headers"], row)) for row in table["rows"]]
         create_table_artifact(rows, key=artifact_key(run_name, name), description=f"{name} of {run_dir}")
-    for plot in built["plots"]:
+    for plot in built["plots"]:  # "heldout_loss.png", "../branches/0/loss.png", ...
         path = (folder / plot).resolve()
-        create_link_artifact(path.as_uri(), link_text=path.name, key=artifact_key(run_name, "plot", path.stem))
+        name = str(path.relative_to(Path(run_dir).resolve()).with_suffix(""))
+        create_link_artifact(path.as_uri(), link_text=name, key=artifact_key(run_name, "plot", name))
     return {"report": str(folder / "report.md"), "headline": built.get("headline", {})}

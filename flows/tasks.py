@@ -49,6 +49,12 @@ def calibrate(run_dir: str) -> dict[str, Any]:
     return {k: summary[k] for k in ("groups", "tokens", "explained_variance", "total_seconds")}
 
 
+def worth_retrying(task, task_run, state) -> bool:
+    """A retry resumes a killed, crashed or timed-out branch from its last checkpoint; a spec the
+    library refused before launching (ValueError) would only be refused again."""
+    return not isinstance(state.data, (ValueError, FileNotFoundError))
+
+
 @task(name="train-branch", task_run_name="train-{name}")
 def train(run_dir: str, name: str, gpus: list[int] | None = None) -> dict[str, Any]:
     """Train, resume or skip one branch (``warmup``, ``joint`` or a group number). A killed

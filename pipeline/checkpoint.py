@@ -114,6 +114,13 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def checkpoint_id(checkpoint: str | Path) -> str:
+    """The identity of the weights: the hash of a project checkpoint's manifest (which hashes
+    every file), else the path or hub id as given."""
+    manifest = Path(checkpoint) / MANIFEST
+    return sha256_file(manifest) if manifest.is_file() else str(checkpoint)
+
+
 def is_complete(folder: str | Path) -> bool:
     try:
         verify_checkpoint(folder)

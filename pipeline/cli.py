@@ -11,22 +11,16 @@ from typing import Any
 
 from calibration.errors import CalibrationError, SplitError
 from pipeline.checkpoint import CheckpointError
-from pipeline.config import ConfigError, RunConfig, load_config, save_config
+from pipeline.config import ConfigError, RunConfig
 from pipeline.data.example import DataError
-from pipeline.layout import CONFIG, REPORT
+from pipeline.layout import REPORT, start_run
 from pipeline.merge.io import MergeInputError
 from pipeline.merge.spec import MergeSpecError
 from pipeline.train.launch import BranchFailed
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
-    config = args.config
-    if config is None and args.run_dir and (Path(args.run_dir) / CONFIG).is_file():
-        config = Path(args.run_dir) / CONFIG
-    cfg = load_config(config, args.overrides)
-    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
-    save_config(cfg, run_dir / CONFIG)
-    return cfg, run_dir
+    return start_run(args.config, args.overrides, args.run_dir)
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -104,11 +98,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.merit import joint, merit
 
-    config = args.config or (Path(args.run_dir) / CONFIG if args.run_dir else None)
-    if config is None:
+    if args.config is None and args.run_dir is None:
         raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
     try:
-        report = (joint if args.flow == "joint" else merit)(config=str(config), overrides=args.overrides, run_dir=args.run_dir)
+        report = (joint if args.flow == "joint" else merit)(config=args.config, overrides=args.overrides, run_dir=args.run_dir)
     except RuntimeError as err:  # a failed stage; Prefect has logged the details
         sys.exit(f"merit: the {args.flow} flow failed: {err}")
     print(f"report: {report}")

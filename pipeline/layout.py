@@ -3,10 +3,11 @@ flows and the report agree on it (DESIGN.md, "Contracts between stages")."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.checkpoint import is_complete
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, load_config, save_config
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
 INIT = "init"  # the tiny offline model as built
@@ -17,6 +18,17 @@ JOINT = "joint"  # the joint baseline, trained like a branch on every source
 MERGED = "merged"  # merged/<name>/ for each merge the config lists
 EVAL = "eval"  # eval/<model>.json
 REPORT = "report"
+
+
+def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Path | None) -> tuple[RunConfig, Path]:
+    """CONFIG (or the run directory's saved one) plus overrides, saved as the run's ``config.yaml``
+    that every stage reads. The run directory defaults to ``runs/<run.name>``."""
+    if config is None and run_dir is not None and (Path(run_dir) / CONFIG).is_file():
+        config = Path(run_dir) / CONFIG
+    cfg = load_config(config, overrides)
+    run_dir = Path(run_dir or Path("runs") / cfg.run.name)
+    save_config(cfg, run_dir / CONFIG)
+    return cfg, run_dir
 
 
 def is_tiny(cfg: RunConfig) -> bool:
@@ -42,15 +54,28 @@ def merged_dir(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / MERGED / name
 
 
-def run_models(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
-    """Every model of the run that exists, by the name its evaluation and the report use:
-    ``theta0``, ``branch-<k>``, ``joint``, ``merged-<name>``."""
+def split_groups(run_dir: str | Path) -> list[list[str]]:
+    """The groups of the split (``calibration/split.json``): one branch each."""
+    path = Path(run_dir) / CALIBRATION / "split.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the calibrate stage first")
+    return json.loads(path.read_text())["groups"]
+
+
+def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
+    """Where each model of the run as configured lives, by the name its evaluation and the report
+    use: ``theta0``, ``branch-<k>`` (one per group of the split), ``joint``, ``merged-<name>``."""
     run_dir = Path(run_dir)
-    candidates = {"theta0": Path(init_path(cfg, run_dir))}
-    candidates |= {f"branch-{k}": branch_dir(run_dir, k) / "final" for k in range(cfg.branch_count)}
-    candidates["joint"] = run_dir / JOINT / "final"
-    candidates |= {f"merged-{m.name}": merged_dir(run_dir, m.name) for m in cfg.merge.methods}
-    models = {name: str(path) for name, path in candidates.items() if is_complete(path)}
-    if "theta0" not in models:  # a hub id or a folder without our manifest
-        models = {"theta0": init_path(cfg, run_dir), **models}
-    return models
+    groups = split_groups(run_dir) if (run_dir / CALIBRATION / "split.json").is_file() else []
+    return {
+        "theta0": Path(init_path(cfg, run_dir)),
+        **{f"branch-{k}": branch_dir(run_dir, k) / "final" for k in range(len(groups))},
+        "joint": run_dir / JOINT / "final",
+        **{f"merged-{m.name}": merged_dir(run_dir, m.name) for m in cfg.merge.methods},
+    }
+
+
+def run_models(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
+    """The run's models that exist; θ0 always (a hub id or a folder without our manifest)."""
+    paths = model_paths(cfg, run_dir)
+    return {name: str(path) for name, path in paths.items() if name == "theta0" or is_complete(path)}

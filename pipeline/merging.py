@@ -11,14 +11,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.checkpoint import checkpoint_id, is_complete, read_manifest
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.data import Collator, Encoder, load_split
-from pipeline.layout import branch_dir, init_path, merged_dir
+from pipeline.layout import branch_dir, init_path, merged_dir, split_groups
 from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
 from pipeline.merge.methods.fisher import estimate_fisher
 from pipeline.models import load_model, load_processor
-from pipeline.train.plan import split_groups
 
 
 def branch_finals(run_dir: str | Path) -> list[Path]:
@@ -57,21 +56,27 @@ def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
     """Diagonal Fisher of branch k at its final weights, from ``merge.fisher_examples`` of its own
     training examples (one per batch: the per-example empirical Fisher); kept in ``fisher/``."""
     final, out = branch_dir(run_dir, k) / "final", branch_dir(run_dir, k) / "fisher"
-    if is_complete(out):
+    source = {"final": checkpoint_id(final), "examples": cfg.merge.fisher_examples, "seed": cfg.run.seed}
+    if is_complete(out) and read_manifest(out).get("source") == source:
         return out
     model, processor = load_model(final, cfg.model), load_processor(final, cfg.model)
     examples = [ex for exs in load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values() for ex in exs]
     sample = random.Random(f"{cfg.run.seed}/fisher/{k}").sample(examples, min(cfg.merge.fisher_examples, len(examples)))
     encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
-    return estimate_fisher(model, (collator([encoder(ex)]) for ex in sample), out)
+    return estimate_fisher(model, (collator([encoder(ex)]) for ex in sample), out, source=source)
 
 
-def merge_run(cfg: RunConfig, run_dir: str | Path, name: str, force: bool = False) -> dict[str, Any]:
-    """Write ``merged/<name>`` unless it exists with the same spec; returns the merge report."""
+def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:
+    """Write ``merged/<name>`` unless it exists from the same spec and the same input weights;
+    returns the merge report."""
     entry = find_entry(cfg, name)
     fishers = [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
     spec = merge_spec(cfg, run_dir, entry, fishers)
+    paths = [spec.base_model, *(m.path for m in spec.models), *(m.fisher for m in spec.models if m.fisher)]
+    inputs = {path: checkpoint_id(path) for path in paths}
     out = Path(spec.out_path)
-    if not force and is_complete(out) and read_manifest(out).get("spec") == spec.model_dump(mode="json"):
-        return read_manifest(out)["report"]
-    return merge_checkpoints(spec, progress=False).summary()
+    if is_complete(out):
+        manifest = read_manifest(out)
+        if manifest.get("spec") == spec.model_dump(mode="json") and manifest.get("inputs") == inputs:
+            return manifest["report"]
+    return merge_checkpoints(spec, progress=False, inputs=inputs).summary()

@@ -10,7 +10,9 @@ import pytest
 from conftest import write_json
 from PIL import Image
 
+from pipeline.checkpoint import checkpoint_id
 from pipeline.config import load_config, save_config
+from pipeline.layout import model_paths
 from pipeline.report import build_report, markdown_table
 from pipeline.report.build import train_seconds
 from pipeline.train.spec import BranchSpec
@@ -29,8 +31,8 @@ LOSSES = {
 
 
 def write_base(run: Path) -> None:
-    cfg = load_config(None, [])
-    save_config(cfg, run / "config.yaml")
+    merges = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
+    save_config(load_config(None, [merges]), run / "config.yaml")
     info = {"examples": 20, "train_examples": 18, "heldout_indices": [0, 1], "supervised_tokens": 100, "format": "builtin",
             "truncated": 0, "skipped": 0}  # fmt: skip
     sources = {s: {**info, "train_tokens": 1000 * (i + 1)} for i, s in enumerate(SOURCES)}
@@ -42,7 +44,9 @@ def write_eval(run: Path, model: str) -> float:
     losses = LOSSES[model]
     loss = sum(losses) / len(losses)
     per_source = {s: {"loss": v, "token_accuracy": 0.5, "tokens": 50, "examples": 2} for s, v in zip(SOURCES, losses)}
-    write_json(run / "eval" / f"{model}.json", {"model": model, "checkpoint": f"ckpt/{model}", "checkpoint_id": "x",
+    # the identity of the weights evaluated: the checkpoint's own when it exists (see the report's staleness check)
+    path = model_paths(load_config(run / "config.yaml"), run).get(model, Path("absent"))
+    write_json(run / "eval" / f"{model}.json", {"model": model, "checkpoint": str(path), "checkpoint_id": checkpoint_id(path),
                "config_digest": "abc", "sources": per_source, "loss": loss, "macro_loss": loss + 0.01,
                "token_accuracy": 0.6, "seconds": 1.0})  # fmt: skip
     return loss
@@ -73,8 +77,6 @@ def metrics(losses: list[float], tokens_per_step: int, rates: list[float], elaps
 def full_run(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     write_base(run)
-    for model in LOSSES:
-        write_eval(run, model)
     write_training(run, "warmup", SOURCES, metrics([3.0, 2.5], 100, [100, 100], None), None)
     # branch 0: train_seconds in its final manifest wins over the metrics' elapsed_s
     write_training(run, "branches/0", GROUPS[0], metrics([2.0, 1.8, 1.5], 1000, [50, 50, 50], [10.0, 20.0, 39.0]),
@@ -95,6 +97,8 @@ def full_run(tmp_path: Path) -> Path:
                                             "method": "pca", "seed": 0})  # fmt: skip
     Image.new("RGB", (8, 8)).save(calibration / "conflicts.png")
     Image.new("RGB", (8, 8)).save(run / "branches" / "0" / "loss.png")
+    for model in LOSSES:
+        write_eval(run, model)
     return run
 
 
@@ -211,3 +215,11 @@ def test_train_seconds_fallback():
 def test_markdown_table():
     text = markdown_table(["name", "n", "x"], [["a|b", 1234, 0.5], ["c", None, 1.0]])
     assert text.splitlines() == ["| name | n | x |", "|:---|---:|---:|", "| a\\|b | 1,234 | 0.5000 |", "| c |  | 1.0000 |"]
+
+
+def test_the_report_leaves_out_stale_evaluations(full_run):
+    manifest = full_run / "merged" / "iso" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"tensors": 10', '"tensors": 11'))  # iso was merged again
+    save_config(load_config(full_run / "config.yaml", ["merge.methods=[{name: iso, method: iso_c}]"]), full_run / "config.yaml")
+    names = [m["name"] for m in build_report(full_run)["models"]]
+    assert names == ["theta0", "branch-0", "branch-1", "joint"]  # avg left the config; iso's weights changed

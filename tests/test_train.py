@@ -45,8 +45,8 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("zero, processes", [(0, 1), (2, 2), (3, 2)])
 def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero, processes):
     out = tmp_path / f"z{zero}p{processes}"
-    result = train_branch(spec(run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json",
-                               f"train.processes={processes}"), echo=False)  # fmt: skip
+    branch = spec(run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}")
+    result = train_branch(branch, echo=False)
     assert result.steps == 12 and result.tokens_seen > 0 and not result.resumed
     manifest = verify_checkpoint(out / "final")
     assert manifest["step"] == 12 and manifest["sources"] == SOURCES and manifest["parent"] == str(run_dir / "init")
@@ -59,8 +59,10 @@ def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero,
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     changed = load_file(run_dir / "init" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
     assert not torch.equal(weights(out)["model.layers.0.mlp.up_proj.weight"], changed)
-    again = train_branch(spec(run_dir, out), echo=False)  # complete: skipped, nothing retrained
+    again = train_branch(branch, echo=False)  # complete: skipped, nothing retrained
     assert again.steps == 12 and again.seconds == 0.0
+    with pytest.raises(ValueError, match=f"branch {out.name}: {out} was trained from another"):
+        train_branch(branch.model_copy(update={"sources": SOURCES[:2]}), echo=False)  # not silently reused
 
 
 def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):

@@ -18,18 +18,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from pipeline.checkpoint import MANIFEST, sha256_file, write_json_atomic
+from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data import IGNORE_INDEX, Collator, Encoder, load_split
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
-
-
-def checkpoint_id(checkpoint: str | Path) -> str:
-    """The identity of the weights: the hash of a project checkpoint's manifest (which hashes
-    every file), else the path or hub id as given."""
-    manifest = Path(checkpoint) / MANIFEST
-    return sha256_file(manifest) if manifest.is_file() else str(checkpoint)
 
 
 def evaluate_model(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: str, force: bool = False) -> dict[str, Any]:
@@ -37,7 +30,9 @@ def evaluate_model(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: s
     return it; an up-to-date result is returned without loading the model."""
     run_dir = Path(run_dir)
     path = run_dir / EVAL / f"{name}.json"
-    identity = {"checkpoint_id": checkpoint_id(checkpoint), "config_digest": cfg.digest("run", "model", "data", "eval")}
+    # Batch size and device change no figure: only the weights, the data and the example cap do.
+    digest = cfg.digest("run", "model", "data") + f"/{cfg.eval.max_examples_per_source}"
+    identity = {"checkpoint_id": checkpoint_id(checkpoint), "config_digest": digest}
     if path.is_file() and not force:
         cached = json.loads(path.read_text())
         if all(cached.get(k) == v for k, v in identity.items()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -158,8 +159,9 @@ def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence
                 )
 
 
-def merge_checkpoints(spec: MergeSpec, progress: bool = True) -> MergeReport:
-    """Merge checkpoint folders as the spec says; write a loadable checkpoint atomically."""
+def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> MergeReport:
+    """Merge checkpoint folders as the spec says; write a loadable checkpoint atomically.
+    ``meta`` goes into the output's manifest (e.g. the identities of the inputs)."""
     start = time.perf_counter()
     run = _CheckpointMerge(spec)
     report = run.report
@@ -174,7 +176,7 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True) -> MergeReport:
         report.tensors, report.bytes_written = len(run.plan), writer.bytes_written
         report.total_seconds = time.perf_counter() - start
         write_manifest(tmp, writer.sha256, kind="merge", spec=spec.model_dump(mode="json"), report=report.summary(),
-                       parents=[str(r.path) for r in run.readers])  # fmt: skip
+                       parents=[str(r.path) for r in run.readers], **meta)  # fmt: skip
     report.total_seconds = time.perf_counter() - start
     return report
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.checkpoint import MANIFEST, write_json_atomic
+from pipeline.checkpoint import MANIFEST, checkpoint_id, write_json_atomic
 from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
-from pipeline.config import load_config
+from pipeline.config import RunConfig, load_config
 from pipeline.data.prepare import active_sources
 from pipeline.data.prepare import read_manifest as read_data_manifest
-from pipeline.layout import BRANCHES, CALIBRATION, CONFIG, EVAL, JOINT, MERGED, REPORT, WARMUP
+from pipeline.layout import BRANCHES, CALIBRATION, CONFIG, EVAL, JOINT, MERGED, REPORT, WARMUP, model_paths
 from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_training_curves
 from pipeline.train.spec import BranchSpec
 
@@ -39,8 +39,8 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     out = run_dir / REPORT
     cfg = load_config(run_dir / CONFIG)
     data = read_data_manifest(run_dir)
-    models = _models(run_dir)
-    trained = _trained_dirs(run_dir)
+    models = _models(cfg, run_dir)
+    trained = _trained_dirs(cfg, run_dir)
     metrics = {name: _read_metrics(folder / "metrics.jsonl") for name, _, folder in trained}
     branches = [b for name, kind, folder in trained if (b := _branch(run_dir, name, kind, folder, metrics[name]))]
     summary = _read_json(run_dir / CALIBRATION / "summary.json")
@@ -61,7 +61,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         "models": models,
         "branches": branches,
         "split": split,
-        "costs": _costs(summary, branches, _merges(run_dir)),
+        "costs": _costs(summary, branches, _merges(cfg, run_dir)),
         "headline": _headline(models),
     }
     report = {k: v for k, v in report.items() if v}
@@ -116,19 +116,19 @@ def _pick(data: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {k: data[k] for k in keys if k in data}
 
 
-def _subdirs(folder: Path) -> list[Path]:
-    """In natural order, without hidden ones: a killed checkpoint write leaves ``.name.tmp-*`` folders."""
-    return sorted((p for p in folder.glob("*") if p.is_dir() and not p.name.startswith(".")), key=lambda p: _natural(p.name))
-
-
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
 
 
-def _models(run_dir: Path) -> list[dict[str, Any]]:
+def _models(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluations of the run's models as configured now: not those of merges dropped from the
+    config or of branches from an earlier split, nor those of weights since replaced."""
     models = []
-    for path in sorted((run_dir / EVAL).glob("*.json"), key=lambda p: _order(p.stem)):
-        result = json.loads(path.read_text())
+    for name, checkpoint in sorted(model_paths(cfg, run_dir).items(), key=lambda kv: _order(kv[0])):
+        path = run_dir / EVAL / f"{name}.json"
+        result = json.loads(path.read_text()) if path.is_file() else None
+        if result is None or (checkpoint.exists() and result.get("checkpoint_id") != checkpoint_id(checkpoint)):
+            continue
         models.append({"name": path.stem, "kind": model_kind(path.stem), "checkpoint": result.get("checkpoint"),
                        **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
                        "sources": result.get("sources", {})})  # fmt: skip
@@ -139,9 +139,10 @@ def _models(run_dir: Path) -> list[dict[str, Any]]:
     return models
 
 
-def _trained_dirs(run_dir: Path) -> list[tuple[str, str, Path]]:
-    """(name, kind, folder) of every training: warm-up, branches in order, joint baseline."""
-    branches = [(f"branch-{p.name}", "branch", p) for p in _subdirs(run_dir / BRANCHES)]
+def _trained_dirs(cfg: RunConfig, run_dir: Path) -> list[tuple[str, str, Path]]:
+    """(name, kind, folder) of every training: warm-up, the split's branches in order, joint baseline."""
+    names = [n for n in model_paths(cfg, run_dir) if n.startswith("branch-")]
+    branches = [(name, "branch", run_dir / BRANCHES / name.removeprefix("branch-")) for name in names]
     found = [("warmup", "warmup", run_dir / WARMUP), *branches, ("joint", "joint", run_dir / JOINT)]
     return [t for t in found if t[2].is_dir()]
 
@@ -179,9 +180,9 @@ def train_seconds(records: list[dict[str, Any]]) -> float | None:
     return seconds
 
 
-def _merges(run_dir: Path) -> dict[str, dict[str, Any]]:
+def _merges(cfg: RunConfig, run_dir: Path) -> dict[str, dict[str, Any]]:
     merges = {}
-    for folder in _subdirs(run_dir / MERGED):
+    for folder in (run_dir / MERGED / m.name for m in cfg.merge.methods):
         if (folder / MANIFEST).is_file():
             manifest = read_checkpoint_manifest(folder)
             spec, report = manifest.get("spec", {}), manifest.get("report", {})

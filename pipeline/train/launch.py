@@ -5,6 +5,7 @@ kills its whole process group; its output is streamed to the caller and to ``tra
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -51,14 +52,25 @@ def free_port() -> int:
 
 
 def command(spec_path: Path, processes: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "pipeline.train.worker", str(spec_path)]  # fmt: skip
+    """torchrun, run so that it dies with the caller (``pipeline.train.lifetime``)."""
+    return [sys.executable, "-m", "pipeline.train.lifetime", "torch.distributed.run", f"--nproc_per_node={processes}",
+            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "pipeline.train.worker",
+            str(spec_path)]  # fmt: skip
+
+
+def visible_devices(gpus: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a branch given device indices as this process sees them: through
+    the caller's own CUDA_VISIBLE_DEVICES (ids or UUIDs) when it has one."""
+    ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
+    return ",".join(ids[i] for i in gpus)
 
 
 def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = None) -> BranchResult:
     """Train (or resume, or skip if already complete) one branch; returns a small result.
     ``gpus``: the devices this branch may use, when several branches share a machine."""
     out, final = Path(spec.out_dir), Path(spec.out_dir) / "final"
+    digest = spec.digest()
+    _refuse_other_spec(spec, digest)
     if is_complete(final):
         return _result(spec, final, 0.0, resumed=False)
     spec.validate_inputs()
@@ -67,7 +79,7 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))}  # fmt: skip
     if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:
@@ -93,6 +105,19 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
         _kill_group(proc.pid)  # ranks of a killed launcher must not outlive it
         raise BranchFailed(spec.name, code, log)
     return _result(spec, final, time.perf_counter() - start, resumed)
+
+
+def _refuse_other_spec(spec: BranchSpec, digest: str) -> None:
+    """A branch folder holds the training of one spec: reusing (or resuming) it under a changed θ0,
+    sources or training setting would silently give weights the config does not describe."""
+    out = Path(spec.out_dir)
+    final, latest = out / "final", out / "checkpoints" / "latest.json"
+    recorded = read_manifest(final).get("spec_digest") if is_complete(final) else None
+    if recorded is None and latest.is_file():
+        recorded = json.loads(latest.read_text()).get("spec_digest")
+    if recorded is not None and recorded != digest:
+        raise ValueError(f"branch {spec.name}: {out} was trained from another θ0, sources or train settings; "
+                         "move it away (or use another run directory) to train this one")  # fmt: skip
 
 
 def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:

@@ -3,12 +3,11 @@ the split, and the joint baseline. Every one trains through ``train_branch``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.data import active_sources, read_manifest
-from pipeline.layout import CALIBRATION, JOINT, WARMUP, base_path, branch_dir, init_path
+from pipeline.layout import JOINT, WARMUP, base_path, branch_dir, init_path, split_groups
 from pipeline.train.spec import BranchSpec
 
 
@@ -29,13 +28,6 @@ def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
                  steps=w.steps, lr=w.lr or cfg.train.lr)  # fmt: skip
 
 
-def split_groups(run_dir: str | Path) -> list[list[str]]:
-    path = Path(run_dir) / CALIBRATION / "split.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: run the calibrate stage first")
-    return json.loads(path.read_text())["groups"]
-
-
 def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
     """One branch per group of the split, each from θ0 with the ``train`` section as it is."""
     init = init_path(cfg, run_dir)
@@ -45,8 +37,9 @@ def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
 def joint_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
     """The baseline: every source in one branch with the K branches' total budget (K × steps at
     the same batch), so merged and joint models have seen the same number of examples."""
-    steps = cfg.branch_count * cfg.train.steps
-    return _spec(cfg, run_dir, JOINT, init_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / JOINT, steps=steps)
+    k, t = cfg.branch_count, cfg.train
+    return _spec(cfg, run_dir, JOINT, init_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / JOINT,
+                 steps=k * t.steps, timeout_s=k * t.timeout_s)  # fmt: skip
 
 
 def branch_spec(cfg: RunConfig, run_dir: str | Path, name: str) -> BranchSpec:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.checkpoint import is_complete
+from pipeline.checkpoint import checkpoint_id, is_complete
 from pipeline.config import RunConfig, TrainSection
 
 
@@ -23,6 +24,15 @@ class BranchSpec(BaseModel):
     @property
     def train(self) -> TrainSection:
         return self.config.train
+
+    def digest(self) -> str:
+        """What the branch's weights depend on: θ0's identity, the sources and every setting that
+        changes a number (not the timeout or the checkpoint interval, so those can change on resume)."""
+        cfg = self.config
+        train = cfg.train.model_dump(mode="json", exclude={"timeout_s", "checkpoint_every"})
+        inputs = {"init": checkpoint_id(self.init), "sources": self.sources, "train": train,
+                  "config": cfg.digest("run", "model", "data")}  # fmt: skip
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate_inputs(self) -> None:
         """Everything that can be checked before launching processes: fail in seconds, not later."""

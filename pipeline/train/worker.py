@@ -9,12 +9,10 @@ data order is a function of (seed, step), so the resumed run trains on the same 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -28,11 +26,11 @@ from pipeline.checkpoint import save_pretrained_checkpoint, write_json_atomic
 from pipeline.data import IGNORE_INDEX, Encoded, Encoder, Example
 from pipeline.models import load_model, load_processor
 from pipeline.train.curves import plot_loss
+from pipeline.train.lifetime import die_with_parent
 from pipeline.train.sampling import BranchData
 from pipeline.train.spec import BranchSpec
 
 LATEST = "latest.json"
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def deepspeed_config(spec: BranchSpec, world: int) -> dict:
@@ -68,19 +66,8 @@ def make_optimizer(model: torch.nn.Module, t) -> tuple[torch.optim.Optimizer, to
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
 
 
-def die_with_launcher() -> None:
-    """torchrun starts every rank in a session of its own, so a signal to the launcher's process
-    group (a timeout, a cancelled task) does not reach the ranks: without this, a killed branch's
-    ranks would train on, holding their GPUs and writing into the branch's folder."""
-    if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the request was in place
-        os._exit(1)
-
-
 def main(spec_path: str) -> None:
-    die_with_launcher()
+    die_with_parent()  # a killed launcher takes its ranks with it
     spec = BranchSpec.load(spec_path)
     cfg, t, out = spec.config, spec.train, Path(spec.out_dir)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -97,7 +84,7 @@ def main(spec_path: str) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(spec, world))  # fmt: skip
 
-    ckpt_dir = out / "checkpoints"
+    ckpt_dir, digest = out / "checkpoints", spec.digest()
     step, tokens_seen, elapsed = 0, 0, 0.0  # elapsed: training seconds, summed over resumed runs
     if (ckpt_dir / LATEST).is_file():
         tag = json.loads((ckpt_dir / LATEST).read_text())["tag"]
@@ -142,9 +129,11 @@ def main(spec_path: str) -> None:
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 and step < t.steps:
-            _checkpoint(engine, ckpt_dir, {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed}, rank)
+            state = {"step": step, "tokens_seen": tokens_seen, "elapsed_s": elapsed, "spec_digest": digest}
+            _checkpoint(engine, ckpt_dir, state, rank)
 
-    _save_final(engine, processor, spec, {"step": step, "tokens_seen": tokens_seen, "train_seconds": round(elapsed, 3)}, rank)
+    state = {"step": step, "tokens_seen": tokens_seen, "train_seconds": round(elapsed, 3), "spec_digest": digest}
+    _save_final(engine, processor, spec, state, rank)
     if rank == 0:
         plot_loss(metrics_path, out / "loss.png", title=f"branch {spec.name}")
     dist.barrier()
@@ -169,7 +158,7 @@ def _checkpoint(engine, ckpt_dir: Path, state: dict, rank: int) -> None:
     dist.barrier()  # every rank's shard is on disk before the pointer moves
     if rank == 0:
         previous = json.loads((ckpt_dir / LATEST).read_text())["tag"] if (ckpt_dir / LATEST).is_file() else None
-        write_json_atomic(ckpt_dir / LATEST, {"tag": tag, "step": step})
+        write_json_atomic(ckpt_dir / LATEST, {"tag": tag, "step": step, "spec_digest": state["spec_digest"]})
         if previous and previous != tag:
             shutil.rmtree(ckpt_dir / previous, ignore_errors=True)
     dist.barrier()

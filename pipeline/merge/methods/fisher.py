@@ -35,9 +35,10 @@ def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext,
 METHOD = register(MergeMethod("fisher", Params, merge=merge, needs_fisher=True))
 
 
-def estimate_fisher(model: Any, batches: Iterable[dict[str, torch.Tensor]], out_dir: str | Path) -> Path:
+def estimate_fisher(model: Any, batches: Iterable[dict[str, torch.Tensor]], out_dir: str | Path, **meta: Any) -> Path:
     """Diagonal Fisher of ``model`` over ``batches`` (one example per batch gives the per-example
-    empirical Fisher; larger batches give the Fisher of batch-mean gradients), saved to ``out_dir``."""
+    empirical Fisher; larger batches give the Fisher of batch-mean gradients), saved to ``out_dir``
+    with ``meta`` in its manifest."""
     from pipeline.checkpoint import save_pretrained_checkpoint
 
     squares = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in model.named_parameters()}
@@ -56,4 +57,4 @@ def estimate_fisher(model: Any, batches: Iterable[dict[str, torch.Tensor]], out_
     with torch.no_grad():
         for name, param in fisher_model.named_parameters():
             param.copy_(squares[name] / count)
-    return save_pretrained_checkpoint(out_dir, fisher_model, kind="diagonal_fisher", batches=count)
+    return save_pretrained_checkpoint(out_dir, fisher_model, kind="diagonal_fisher", batches=count, **meta)

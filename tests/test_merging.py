@@ -1,0 +1,78 @@
+"""The run's merge stage and GPU slots: merges follow their inputs, branches get disjoint GPUs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import small_config
+from flows.merit import branch_slots
+from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_checkpoint
+from pipeline.layout import branch_dir, merged_dir
+from pipeline.merging import merge_run
+from pipeline.models import load_model, load_processor
+from pipeline.train.launch import visible_devices
+
+MERGES = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
+
+
+def save_branch(cfg, run_dir, k: int, shift: float, tokens: int) -> None:
+    model = load_model(run_dir / "init", cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(shift)
+    save_pretrained_checkpoint(branch_dir(run_dir, k) / "final", model, load_processor(run_dir / "init", cfg.model),
+                               step=1, tokens_seen=tokens, parent=str(run_dir / "init"))  # fmt: skip
+
+
+@pytest.fixture
+def run(tiny_run, tmp_path):
+    cfg, built = tiny_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(built / "init", run_dir / "init")
+    (run_dir / "calibration").mkdir()
+    (run_dir / "calibration" / "split.json").write_text(json.dumps({"groups": [["a"], ["b"]]}))
+    cfg = small_config(MERGES, "warmup.steps=0")
+    save_branch(cfg, run_dir, 0, 0.1, tokens=300)
+    save_branch(cfg, run_dir, 1, -0.2, tokens=100)
+    return cfg, run_dir
+
+
+def test_a_merge_is_token_weighted_and_redone_only_when_its_inputs_change(run):
+    cfg, run_dir = run
+    merge_run(cfg, run_dir, "avg")
+    out = merged_dir(run_dir, "avg")
+    base = load_file(run_dir / "init" / "model.safetensors")
+    merged = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.allclose(merged[name], base[name] + 0.75 * 0.1 + 0.25 * -0.2, atol=1e-6)  # n_k = 300 and 100 tokens
+    stamp, inputs = (out / "manifest.json").stat().st_mtime_ns, read_manifest(out)["inputs"]
+    merge_run(cfg, run_dir, "avg")
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp  # same spec, same weights: kept
+    save_branch(cfg, run_dir, 1, -0.2 + 1e-3, tokens=100)  # retrained: same tokens, other weights
+    merge_run(cfg, run_dir, "avg")
+    branch_1 = str(branch_dir(run_dir, 1) / "final")
+    assert read_manifest(out)["inputs"][branch_1] != inputs[branch_1]
+    assert not torch.equal(load_file(out / "model.safetensors")[name], merged[name])
+    with pytest.raises(ValueError, match="no merge named 'ties'"):
+        merge_run(cfg, run_dir, "ties")
+    shutil.rmtree(branch_dir(run_dir, 1) / "final")
+    with pytest.raises(FileNotFoundError, match=r"branches \['1'\] .* have no complete final/"):
+        merge_run(cfg, run_dir, "iso")
+    assert not is_complete(merged_dir(run_dir, "iso"))
+
+
+def test_branches_get_disjoint_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert branch_slots(small_config("train.processes=2")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert branch_slots(small_config("train.processes=3", "flow.parallel_branches=5")) == [[0, 1, 2], [3, 4, 5]]
+    assert branch_slots(small_config("train.processes=16")) == [None]  # the launcher reports the shortage
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert branch_slots(small_config()) == [None]
+    assert visible_devices([2, 3], None) == "2,3"
+    assert visible_devices([0, 1], "4,5,6,7") == "4,5"  # indices into the caller's own visible set
+    assert visible_devices([1], "GPU-aa,GPU-bb") == "GPU-bb"
