@@ -28,6 +28,9 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path):
     assert split.returncode == 0, split.stderr
     assert (tmp_path / "init" / "manifest.json").is_file() and (tmp_path / "data" / "manifest.json").is_file()
     assert "split into 2 groups" in split.stdout and (tmp_path / "calibration" / "split.json").is_file()
+    early = merit("calibrate", "--run-dir", str(tmp_path), "--set", "warmup.steps=5")  # θ0 is now the warm-up's
+    assert early.returncode == 2
+    assert f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in early.stderr and "merit train --branch warmup" in early.stderr
     # Any stage re-runs alone from the run directory's resolved config.
     again = merit("prepare", "--run-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
@@ -55,10 +58,3 @@ def test_bench_data_prints_rates(tmp_path):
     ratio = next(line for line in run.stdout.splitlines() if line.startswith("encoding / training"))
     assert float(ratio.split()[-4].rstrip("x")) > 0
 
-
-def test_calibrating_before_the_warm_up_says_what_to_run(tmp_path):
-    assert merit("init", "configs/demo.yaml", "--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=10").returncode == 0
-    assert merit("prepare", "--run-dir", str(tmp_path)).returncode == 0
-    run = merit("calibrate", "--run-dir", str(tmp_path))
-    assert run.returncode == 2
-    assert f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in run.stderr and "merit train --branch warmup" in run.stderr

@@ -41,10 +41,11 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def copy_prepared(source: Path, dest: Path) -> Path:
-    """A run whose data, θ0 (warm-up), split and joint baseline are done, but no branch is."""
-    shutil.copytree(source, dest, ignore=lambda d, names: [n for n in names if d == str(source) and n in
-                                                           ("branches", "merged", "eval", "report")])  # fmt: skip
+def copy_prepared(source: Path, dest: Path, branch: int) -> Path:
+    """A run whose stages are done (data, θ0, split, joint baseline, every other branch) except
+    ``branch`` and everything after the branches."""
+    left_out = {(source, "merged"), (source, "eval"), (source, "report"), (source / "branches", str(branch))}
+    shutil.copytree(source, dest, ignore=lambda folder, names: [n for n in names if (Path(folder), n) in left_out])
     return dest
 
 
@@ -115,7 +116,7 @@ def test_a_rerun_redoes_nothing(finished_run):
 
 def test_a_killed_branch_is_resumed_by_the_task_retry(finished_run, tmp_path):
     reference, _ = finished_run
-    run_dir = copy_prepared(reference, tmp_path / "run")
+    run_dir = copy_prepared(reference, tmp_path / "run", branch=0)
     branch = run_dir / "branches" / "0"
     killed, flow_done = [], threading.Event()
 
@@ -145,7 +146,7 @@ def test_a_killed_branch_is_resumed_by_the_task_retry(finished_run, tmp_path):
 
 
 def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_run, tmp_path):
-    run_dir = copy_prepared(finished_run[0], tmp_path / "run")
+    run_dir = copy_prepared(finished_run[0], tmp_path / "run", branch=1)
     pointer = run_dir / "branches" / "1" / "checkpoints" / "latest.json"
     pointer.parent.mkdir(parents=True)
     pointer.write_text(json.dumps({"tag": "step999", "step": 999}))  # names a checkpoint that is not there
@@ -153,7 +154,7 @@ def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_
     assert state.is_failed() and "1 branch(es) failed for good: branch 1: training exit code 1" in state.message
     log = (run_dir / "branches" / "1" / "train.log").read_text()
     assert log.count("names step999, which cannot be loaded") == 2  # the first attempt and its retry
-    finished = run_dir / "branches" / "0" / "final" / "manifest.json"
+    finished = run_dir / "branches" / "0" / "final" / "manifest.json"  # done before: the flow skipped it
     assert is_complete(finished.parent) and not (run_dir / "merged").exists()
 
     stamp = finished.stat().st_mtime_ns
