@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from conftest import processes_of
-from flows.merit import merit
+from flows.merit import joint, merit
 from pipeline.checkpoint import is_complete, read_manifest
 
 ROOT = Path(__file__).parent.parent
@@ -112,6 +112,18 @@ def test_a_rerun_redoes_nothing(finished_run):
     assert len(before) >= 15
     assert run_flow(run_dir).is_completed()
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs} == before
+
+
+def test_the_joint_flow_reuses_what_the_run_has_and_reports(finished_run, tmp_path):
+    reference, _ = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir, ignore=lambda folder, names: [n for n in names if n in ("eval", "report")])
+    stamp = (run_dir / "joint" / "final" / "manifest.json").stat().st_mtime_ns
+    state = joint(config=str(ROOT / "configs/demo.yaml"), overrides=OVERRIDES, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    assert (run_dir / "joint" / "final" / "manifest.json").stat().st_mtime_ns == stamp  # trained once, by merit
+    models = [m["name"] for m in json.loads((run_dir / "report" / "report.json").read_text())["models"]]
+    assert models[0] == "theta0" and "joint" in models
 
 
 def test_a_killed_branch_is_resumed_by_the_task_retry(finished_run, tmp_path):
