@@ -65,7 +65,9 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         "headline": _headline(models),
     }
     report = {k: v for k, v in report.items() if v}
-    curves = {name: ([r["step"] for r in rs], [r["loss"] for r in rs]) for name, rs in metrics.items() if rs}
+    # Branches and the joint baseline start where the warm-up ends (from θ0): plot them from there.
+    start = {name: 0 if name == "warmup" else len(metrics.get("warmup", [])) for name in metrics}
+    curves = {name: ([start[name] + r["step"] for r in rs], [r["loss"] for r in rs]) for name, rs in metrics.items() if rs}
     own = _write_plots(out, models, sources, curves)
     others = sorted(str(p.relative_to(run_dir)) for p in (run_dir / CALIBRATION).glob("*.png"))
     others += [str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()]

@@ -58,7 +58,7 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, (steps, losses) in curves.items():
         ax.plot(steps, losses, lw=1.2, label=name, **styles.get(name, {}))
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel("optimizer step (branches and joint from the end of the warm-up)")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7, ncol=max(1, len(curves) // 8))
     ax.grid(alpha=0.3)
