@@ -8,9 +8,11 @@ Every stage is idempotent, so re-running a flow on the same run directory resume
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 
 import torch
 from prefect import flow
+from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from flows import tasks
@@ -23,9 +25,12 @@ from pipeline.train.plan import branch_spec
 POLL_S = 2.0  # how often the flow refreshes the training progress
 
 
-def branch_slots(cfg: RunConfig) -> list[list[int] | None]:
+def branch_slots(cfg: RunConfig, branches: int) -> list[list[int] | None]:
     """The devices of each branch that may train at once: disjoint sets of ``train.processes``
-    GPUs. On CPU, one branch at a time unless asked: its ranks already use every core."""
+    GPUs. On CPU, one branch at a time unless asked: its ranks already use every core. Branches
+    on a deployment bring their own machines: all at once unless asked."""
+    if cfg.flow.branch_deployment:
+        return [None] * (cfg.flow.parallel_branches or branches)
     gpus, per = torch.cuda.device_count(), cfg.train.processes
     if gpus == 0:
         return [None] * (cfg.flow.parallel_branches or 1)
@@ -35,19 +40,33 @@ def branch_slots(cfg: RunConfig) -> list[list[int] | None]:
     return [list(range(i * per, (i + 1) * per)) for i in range(min(cfg.flow.parallel_branches or fits, fits))]
 
 
+def branch_submitter(cfg: RunConfig, run_dir: str) -> Callable[[str, list[int] | None], PrefectFuture]:
+    """Start one branch: a task of this flow run on the given GPUs, or a flow run of the branch
+    deployment on a machine of its own. Either is retried and resumes from its checkpoints."""
+    retries = {"retries": cfg.flow.branch_retries, "retry_delay_seconds": cfg.flow.retry_delay_s}
+    local = tasks.train.with_options(**retries, retry_condition_fn=tasks.worth_retrying)
+    remote = tasks.train_remote.with_options(**retries)
+
+    def submit(name: str, gpus: list[int] | None) -> PrefectFuture:
+        if cfg.flow.branch_deployment:
+            return remote.submit(cfg.flow.branch_deployment, run_dir, name)
+        return local.submit(run_dir, name, gpus=gpus)
+
+    return submit
+
+
 def train_branches(cfg: RunConfig, run_dir: str, names: list[str], progress_key: str) -> dict[str, dict]:
     """Train the named branches, at most one per slot at a time. A branch that fails after its
     retries does not stop the others: they finish and stay on disk, then the flow fails naming
     every failed branch, and a re-run trains only those."""
-    train = tasks.train.with_options(retries=cfg.flow.branch_retries, retry_delay_seconds=cfg.flow.retry_delay_s,
-                                     retry_condition_fn=tasks.worth_retrying)  # fmt: skip
+    submit = branch_submitter(cfg, run_dir)
     progress = BranchProgress([branch_spec(cfg, run_dir, n) for n in names], artifact_key(cfg.run.name, progress_key))
-    free, pending, running, finished = branch_slots(cfg), list(names), {}, queue.Queue()
+    free, pending, running, finished = branch_slots(cfg, len(names)), list(names), {}, queue.Queue()
     results, failures = {}, {}
     while pending or running:
         while pending and free:
             name, slot = pending.pop(0), free.pop(0)
-            running[name] = (train.submit(run_dir, name, gpus=slot), slot)
+            running[name] = (submit(name, slot), slot)
             running[name][0].add_done_callback(lambda _, name=name: finished.put(name))
         try:
             name = finished.get(timeout=POLL_S)
@@ -94,6 +113,14 @@ def merit(config: str | None = "configs/demo.yaml", overrides: list[str] | None 
     for entry in cfg.merge.methods:
         tasks.merge(run_dir, entry.name)
     return evaluate_and_report(cfg, run_dir)
+
+
+@flow(name="merit-branch", log_prints=True)
+def branch(run_dir: str, name: str) -> dict:
+    """One branch of a run (``warmup``, ``joint`` or a group number) on whatever machine runs this
+    flow: the unit the merit flow fans out over a work pool when ``flow.branch_deployment`` is set.
+    No retries here: the merit flow starts a new run, on a new machine if need be."""
+    return tasks.train(run_dir, name)
 
 
 @flow(name="joint", log_prints=True)

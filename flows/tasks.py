@@ -65,6 +65,21 @@ def train(run_dir: str, name: str, gpus: list[int] | None = None) -> dict[str, A
     return asdict(train_branch(branch_spec(run_config(run_dir), run_dir, name), echo=False, gpus=gpus))
 
 
+@task(name="train-branch-remote", task_run_name="train-{name}")
+def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
+    """Train one branch as a flow run of ``deployment`` (a ``merit-branch`` deployment), on a
+    machine of its work pool, and wait for it. A run that fails or crashes (a spot machine taken
+    away) raises, so this task's retries start a new run, which resumes from the checkpoints the
+    lost one left in the shared run directory."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}")
+    if not run.state.is_completed():
+        raise RuntimeError(f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: "
+                           f"{run.state.message}")  # fmt: skip
+    return {"name": name, "flow_run": str(run.id)}
+
+
 @task(name="merge", task_run_name="merge-{name}")
 def merge(run_dir: str, name: str) -> dict[str, Any]:
     from pipeline.merging import merge_run

@@ -217,7 +217,12 @@ class FlowSection(Section):
     """How the Prefect flow runs the stages."""
 
     joint_baseline: bool = True  # also train the joint baseline with the branches' total budget
-    parallel_branches: int | None = Field(None, ge=1)  # default: GPUs // train.processes, 1 on CPU
+    # A deployment of the merit-branch flow (e.g. "merit-branch/gpu"): every branch then trains as
+    # a flow run of its own on that deployment's work pool, one machine each; the run directory
+    # must be shared. Default: tasks of this flow run, sharing this machine's GPUs.
+    branch_deployment: str | None = None
+    parallel_branches: int | None = Field(None, ge=1)  # default: GPUs // train.processes, 1 on CPU;
+    # with branch_deployment: every branch at once
     branch_retries: int = Field(2, ge=0)  # a retry resumes from the branch's last checkpoint
     retry_delay_s: float = Field(10.0, ge=0)
 

@@ -68,11 +68,12 @@ def test_a_merge_is_token_weighted_and_redone_only_when_its_inputs_change(run):
 
 def test_branches_get_disjoint_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert branch_slots(small_config("train.processes=2")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert branch_slots(small_config("train.processes=3", "flow.parallel_branches=5")) == [[0, 1, 2], [3, 4, 5]]
-    assert branch_slots(small_config("train.processes=16")) == [None]  # the launcher reports the shortage
+    assert branch_slots(small_config("train.processes=2"), 3) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert branch_slots(small_config("train.processes=3", "flow.parallel_branches=5"), 3) == [[0, 1, 2], [3, 4, 5]]
+    assert branch_slots(small_config("train.processes=16"), 3) == [None]  # the launcher reports the shortage
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert branch_slots(small_config()) == [None]
+    assert branch_slots(small_config(), 3) == [None]
+    assert branch_slots(small_config("flow.branch_deployment=merit-branch/gpu"), 3) == [None] * 3  # a machine each
     assert visible_devices([2, 3], None) == "2,3"
     assert visible_devices([0, 1], "4,5,6,7") == "4,5"  # indices into the caller's own visible set
     assert visible_devices([1], "GPU-aa,GPU-bb") == "GPU-bb"

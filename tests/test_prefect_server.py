@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,10 +30,11 @@ OVERRIDES = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def server(tmp_path):
-    """A Prefect server on a free local port with its own PREFECT_HOME; stopped afterwards
-    (its whole process group, and nothing else)."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A Prefect server on a free local port with its own PREFECT_HOME, the process pool and the
+    deployments of prefect.yaml that need no GPU; stopped afterwards (its process group only)."""
+    tmp_path = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}  # fmt: skip
@@ -50,6 +52,8 @@ def server(tmp_path):
                 pass
             assert time.monotonic() < deadline, "the Prefect server did not start in 180 s"
             time.sleep(0.5)
+        prefect(env, "work-pool", "create", "merit-local", "--type", "process")
+        prefect(env, "deploy", "--name", "demo", "--name", "branch-local")
         yield env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -66,22 +70,26 @@ def prefect(env: dict, *args: str, timeout: int = 120) -> str:
     return done.stdout
 
 
-def api(env: dict, path: str, body: dict) -> list[dict]:
-    response = httpx.post(f"{env['PREFECT_API_URL']}/{path}", json=body, timeout=30)
+def api(env: dict, path: str, body: dict | None) -> Any:
+    """POST a filter (``body``) or GET a resource (``None``) from the server's REST API."""
+    url = f"{env['PREFECT_API_URL']}/{path}"
+    response = httpx.post(url, json=body, timeout=30) if body is not None else httpx.get(url, timeout=30)
     response.raise_for_status()
     return response.json()
 
 
+def flow_run_id(deployment_run_output: str) -> str:
+    return next(line.split()[-1] for line in deployment_run_output.splitlines() if "UUID:" in line)
+
+
 def test_deployment_run_by_a_worker_completes_and_publishes_the_report(server, tmp_path):
     run_dir = tmp_path / "run"
-    prefect(server, "work-pool", "create", "merit-local", "--type", "process")
-    prefect(server, "deploy", "--name", "demo")
     params = json.dumps({"overrides": OVERRIDES, "run_dir": str(run_dir)})
-    prefect(server, "deployment", "run", "merit/demo", "--params", params)
+    run_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
     # --limit makes --run-once wait for the run it picked up before the worker exits.
     prefect(server, "worker", "start", "--pool", "merit-local", "--run-once", "--limit", "1", timeout=900)
 
-    [run] = api(server, "flow_runs/filter", {})
+    run = api(server, f"flow_runs/{run_id}", None)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert run["parameters"]["run_dir"] == str(run_dir)
     artifacts = api(server, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
@@ -90,3 +98,29 @@ def test_deployment_run_by_a_worker_completes_and_publishes_the_report(server, t
     assert any(a["type"] == "progress" and float(a["data"]) == 100.0 for a in artifacts)
     assert is_complete(run_dir / "merged" / "token_average")
     AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "token_average")
+
+
+def test_branches_fan_out_as_flow_runs_of_the_branch_deployment(server, tmp_path):
+    """flow.branch_deployment: every branch is a flow run of merit-branch/branch-local, picked up by
+    the pool's worker like any run (on a GPU pool: a machine each), while the merit run waits."""
+    run_dir = tmp_path / "run"
+    overrides = [*OVERRIDES, "flow.branch_deployment=merit-branch/branch-local"]
+    params = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
+    parent_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
+    log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "3"], env=server, cwd=ROOT,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while (state := api(server, f"flow_runs/{parent_id}", None)["state"]["type"]) not in ("COMPLETED", "FAILED", "CRASHED"):
+            assert time.monotonic() < deadline, "the merit run did not finish in 600 s"
+            time.sleep(2)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=60)
+        log.close()
+    assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
+    children = api(server, "flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}}})
+    assert sorted(r["name"] for r in children) == ["branch-0", "branch-1"]
+    assert all(r["state"]["type"] == "COMPLETED" and r["parameters"]["run_dir"] == str(run_dir) for r in children)
+    assert is_complete(run_dir / "merged" / "token_average")
