@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the key."""
 
 
+def require_unique(names: list[str], what: str) -> None:
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what} names must be unique, got {names}")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -111,9 +116,7 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> DataSection:
-        names = [s.name for s in self.sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"source names must be unique, got {names}")
+        require_unique([s.name for s in self.sources], "source")
         return self
 
 
@@ -199,9 +202,7 @@ class MergeSection(Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> MergeSection:
-        names = [m.name for m in self.methods]
-        if len(set(names)) != len(names):
-            raise ValueError(f"merge names must be unique, got {names}")
+        require_unique([m.name for m in self.methods], "merge")
         return self
 
 
