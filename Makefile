@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test format clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,13 @@ demo: $(STAMP)
 	$(BIN)/merit run configs/demo.yaml --run-dir runs/demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 clean:
 	rm -rf runs .pytest_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import itertools
 import random
 import threading
 import time
@@ -27,9 +28,10 @@ from pipeline.data import Collator, Encoded, Encoder, Example
 
 def select_parameters(model: torch.nn.Module, patterns: Sequence[str], matrices_only: bool = True) -> list[str]:
     names = [
-        name for name, p in model.named_parameters()
+        name
+        for name, p in model.named_parameters()
         if any(fnmatch.fnmatchcase(name, pat) for pat in patterns) and (p.dim() == 2 or not matrices_only)
-    ]  # fmt: skip
+    ]
     if not names:
         raise CalibrationError(f"no parameter matches {list(patterns)} (matrices_only={matrices_only})")
     return names
@@ -55,7 +57,7 @@ class Sketch:
             offset = random.Random(seed).randrange(stride)
             picked = offset + stride * torch.arange(self.dim)
             starts = torch.tensor([0, *self.sizes]).cumsum(0)
-            self._local = [picked[(picked >= a) & (picked < b)] - a for a, b in zip(starts[:-1], starts[1:])]
+            self._local = [picked[(picked >= a) & (picked < b)] - a for a, b in itertools.pairwise(starts)]
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         flat = [g.reshape(-1).float() for g in grads]
@@ -93,7 +95,9 @@ class SourceGradients:
         write_json_atomic(folder / "gradients.json", meta)
 
 
-def calibration_sample(examples: dict[str, list[Example]], n: int, seed: int) -> tuple[dict[str, list[Example]], list[str]]:
+def calibration_sample(
+    examples: dict[str, list[Example]], n: int, seed: int
+) -> tuple[dict[str, list[Example]], list[str]]:
     """A seeded sample of ``n`` examples per source; a smaller source gives all it has, and says so."""
     sample, notes = {}, []
     for name, items in examples.items():
@@ -141,8 +145,9 @@ def estimate_source_gradients(
                 progress(name)
     finally:
         replicas.restore()
-    return SourceGradients(list(examples), torch.stack(rows), used, tokens, sketch.total, sketch_kind,
-                           time.perf_counter() - start)  # fmt: skip
+    return SourceGradients(
+        list(examples), torch.stack(rows), used, tokens, sketch.total, sketch_kind, time.perf_counter() - start
+    )
 
 
 class _Replicas:
@@ -161,8 +166,9 @@ class _Replicas:
         self.models = [model if d == home and i == 0 else copy.deepcopy(model).to(d) for i, d in enumerate(devices)]
         self.devices = list(devices)
 
-    def mean_gradient(self, batches: list[list[Encoded]], collator: Collator, supervised: int,
-                      sketch: Sketch) -> torch.Tensor:  # fmt: skip
+    def mean_gradient(
+        self, batches: list[list[Encoded]], collator: Collator, supervised: int, sketch: Sketch
+    ) -> torch.Tensor:
         parts: list[torch.Tensor | None] = [None] * len(self.models)
         errors: list[BaseException] = []
 
@@ -175,7 +181,9 @@ class _Replicas:
                     share = sum(e.num_supervised for e in batch) / supervised
                     (model(**inputs).loss * share).backward()
                 params = dict(model.named_parameters())
-                grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in self.names]
+                grads = [
+                    params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in self.names
+                ]
                 parts[k] = sketch(grads).to(self.devices[0])
                 model.zero_grad(set_to_none=True)
             except BaseException as err:  # re-raised in the caller's thread

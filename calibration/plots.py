@@ -7,10 +7,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from calibration.split import SplitPlan, principal_axes  # noqa: E402
+from calibration.split import SplitPlan, principal_axes
 
 
 def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
@@ -46,7 +46,9 @@ def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path
         idx = [i for i, s in enumerate(sources) if group[s] == k]
         ax.scatter(scores[idx, 0], scores[idx, 1], color=colours(k % 10), label=f"group {k}", s=40)
     for i, s in enumerate(sources):
-        ax.annotate(s, (float(scores[i, 0]), float(scores[i, 1])), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            s, (float(scores[i, 0]), float(scores[i, 1])), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        )
     ax.set_xlabel(f"axis 1 ({100 * explained[0]:.1f} %)")
     ax.set_ylabel(f"axis 2 ({100 * explained[1]:.1f} %)")
     ax.axhline(0, color="grey", lw=0.5)

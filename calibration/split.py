@@ -67,8 +67,10 @@ def median_split(sources: list[str], scores: torch.Tensor, tokens: dict[str, int
         halves = []
         for group in groups:
             if len(group) < 2:
-                raise SplitError(f"group {[sources[i] for i in group]} cannot be split along axis {axis + 1}: "
-                                 f"2^r groups need more sources (or fewer, more balanced ones per group)")  # fmt: skip
+                raise SplitError(
+                    f"group {[sources[i] for i in group]} cannot be split along axis {axis + 1}: "
+                    f"2^r groups need more sources (or fewer, more balanced ones per group)"
+                )
             ranked = sorted(group, key=lambda i: (float(scores[i, axis]), sources[i]))
             cumulative = torch.tensor([tokens[sources[i]] for i in ranked], dtype=torch.float64).cumsum(0)
             # The cut closest to half the group's tokens, keeping both sides non-empty.
@@ -78,9 +80,15 @@ def median_split(sources: list[str], scores: torch.Tensor, tokens: dict[str, int
     return [[sources[i] for i in group] for group in groups]
 
 
-def plan_split(sources: list[str], token_counts: dict[str, int], r: int | None = None, method: str = "pca",
-               conflicts: torch.Tensor | None = None, seed: int = 0,
-               groups: list[list[str]] | None = None) -> SplitPlan:  # fmt: skip
+def plan_split(
+    sources: list[str],
+    token_counts: dict[str, int],
+    r: int | None = None,
+    method: str = "pca",
+    conflicts: torch.Tensor | None = None,
+    seed: int = 0,
+    groups: list[list[str]] | None = None,
+) -> SplitPlan:
     missing = sorted(set(sources) - set(token_counts))
     if missing:
         raise SplitError(f"no token counts for sources {missing}")
@@ -100,8 +108,15 @@ def plan_split(sources: list[str], token_counts: dict[str, int], r: int | None =
     else:
         raise SplitError(f"unknown split method '{method}' (pca, random, given)")
     split = median_split(sources, scores, token_counts)
-    return SplitPlan(split, [sum(token_counts[s] for s in g) for g in split], r, explained, method, seed,
-                     {s: scores[i].tolist() for i, s in enumerate(sources)})  # fmt: skip
+    return SplitPlan(
+        split,
+        [sum(token_counts[s] for s in g) for g in split],
+        r,
+        explained,
+        method,
+        seed,
+        {s: scores[i].tolist() for i, s in enumerate(sources)},
+    )
 
 
 def _given(sources: list[str], token_counts: dict[str, int], groups: list[list[str]], seed: int) -> SplitPlan:
@@ -110,7 +125,9 @@ def _given(sources: list[str], token_counts: dict[str, int], groups: list[list[s
     missing = sorted(set(sources) - set(listed))
     twice = sorted({s for s in listed if listed.count(s) > 1})
     if unknown or missing or twice or any(not g for g in groups):
-        raise SplitError(f"given groups must cover every source once, in non-empty groups: unknown {unknown}, "
-                         f"missing {missing}, repeated {twice}")  # fmt: skip
+        raise SplitError(
+            f"given groups must cover every source once, in non-empty groups: unknown {unknown}, "
+            f"missing {missing}, repeated {twice}"
+        )
     r = int(math.log2(len(groups))) if len(groups) & (len(groups) - 1) == 0 else None
     return SplitPlan([list(g) for g in groups], [sum(token_counts[s] for s in g) for g in groups], r, [], "given", seed)

@@ -37,7 +37,9 @@ def theta0(cfg: RunConfig, run_dir: Path) -> str:
     path = init_path(cfg, run_dir)
     if (cfg.warmup.steps or is_tiny(cfg)) and not is_complete(path):
         then = ", then `merit train --branch warmup`" if cfg.warmup.steps else ""
-        raise CalibrationError(f"θ0 {path} is missing: make it first (`merit init`{then}) or run the whole flow (`merit run`)")
+        raise CalibrationError(
+            f"θ0 {path} is missing: make it first (`merit init`{then}) or run the whole flow (`merit run`)"
+        )
     return path
 
 
@@ -58,9 +60,18 @@ class _Estimator:
         c = self.cfg.calibration
         with tqdm(total=len(sample), desc=desc, unit="source", leave=False) as bar:
             return estimate_source_gradients(
-                self.model, sample, self.encoder, self.collator, self.params, c.sketch, c.dim, c.batch_size,
-                self.cfg.run.seed, self.devices, progress=lambda _: bar.update(),
-            )  # fmt: skip
+                self.model,
+                sample,
+                self.encoder,
+                self.collator,
+                self.params,
+                c.sketch,
+                c.dim,
+                c.batch_size,
+                self.cfg.run.seed,
+                self.devices,
+                progress=lambda _: bar.update(),
+            )
 
     def split(self, grads: SourceGradients, tokens: dict[str, int]) -> tuple[torch.Tensor, SplitPlan]:
         c = self.cfg.calibration
@@ -116,8 +127,14 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
     return summary
 
 
-def run_diagnostics(cfg: RunConfig, estimator: _Estimator, train: dict[str, list[Example]], tokens: dict[str, int],
-                    plan: SplitPlan, out: Path) -> dict[str, Any]:  # fmt: skip
+def run_diagnostics(
+    cfg: RunConfig,
+    estimator: _Estimator,
+    train: dict[str, list[Example]],
+    tokens: dict[str, int],
+    plan: SplitPlan,
+    out: Path,
+) -> dict[str, Any]:
     """Split stability under bootstrap resampling of the calibration examples (mean adjusted
     Rand index against the main split) and the cosine of the n-sample mean gradient to a
     ``reference_n``-sample one, for n = 8, 16, … up to ``n_per_source``."""
@@ -139,4 +156,9 @@ def run_diagnostics(cfg: RunConfig, estimator: _Estimator, train: dict[str, list
         g = estimator.gradients(sample, f"n={n}").matrix
         curve[n] = float(torch.nn.functional.cosine_similarity(g, ref, dim=1).mean())
     plot_accuracy_curve(curve, c.reference_n, out / "accuracy_vs_n.png")
-    return {"stability_ari": aris, "mean_ari": sum(aris) / len(aris), "cosine_vs_n": curve, "reference_n": c.reference_n}
+    return {
+        "stability_ari": aris,
+        "mean_ari": sum(aris) / len(aris),
+        "cosine_vs_n": curve,
+        "reference_n": c.reference_n,
+    }

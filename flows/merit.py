@@ -77,7 +77,7 @@ def train_branches(cfg: RunConfig, run_dir: str, names: list[str], progress_key:
         free.append(slot)
         try:
             results[name] = future.result()
-        except Exception as err:  # noqa: BLE001 — collected, and raised below naming the branch
+        except Exception as err:
             failures[name] = str(err) if f"branch {name}" in str(err) else f"branch {name}: {err}"
     progress.update()
     if failures:
@@ -102,7 +102,9 @@ def start(run_dir: str, cfg: RunConfig) -> None:
 
 
 @flow(name="merit", log_prints=True)
-def merit(config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+def merit(
+    config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None
+) -> str:
     """The MERIT pipeline on one run directory; returns the path of the report."""
     cfg, run_dir = start_run(config, overrides or [], run_dir)
     run_dir = str(run_dir.absolute())
@@ -124,7 +126,9 @@ def branch(run_dir: str, name: str) -> dict:
 
 
 @flow(name="joint", log_prints=True)
-def joint(config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None) -> str:
+def joint(
+    config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None
+) -> str:
     """The joint baseline alone: every source in one branch with the K branches' total budget."""
     cfg, run_dir = start_run(config, overrides or [], run_dir)
     run_dir = str(run_dir.absolute())

@@ -24,8 +24,11 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
 
     built = build_report(run_dir)
     folder = Path(run_dir).resolve() / REPORT
-    create_markdown_artifact((folder / "report.md").read_text(), key=artifact_key(run_name, "report"),
-                             description=f"MERIT report of {run_dir}")  # fmt: skip
+    create_markdown_artifact(
+        (folder / "report.md").read_text(),
+        key=artifact_key(run_name, "report"),
+        description=f"MERIT report of {run_dir}",
+    )
     for name, table in built["tables"].items():
         rows = [dict(zip(table["headers"], row)) for row in table["rows"]]
         create_table_artifact(rows, key=artifact_key(run_name, name), description=f"{name} of {run_dir}")

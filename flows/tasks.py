@@ -75,8 +75,9 @@ def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
 
     run = run_deployment(deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}")
     if not run.state.is_completed():
-        raise RuntimeError(f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: "
-                           f"{run.state.message}")  # fmt: skip
+        raise RuntimeError(
+            f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: {run.state.message}"
+        )
     return {"name": name, "flow_run": str(run.id)}
 
 

@@ -18,6 +18,7 @@ from pipeline.merge.io import MergeInputError
 from pipeline.merge.spec import MergeSpecError
 from pipeline.train.launch import BranchFailed
 
+
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
     return start_run(args.config, args.overrides, args.run_dir)
@@ -28,21 +29,40 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     numeric = [all(isinstance(row[i], (int, float)) or row[i] == "" for row in rows) for i in range(len(headers))]
     cells = [[str(h) for h in headers], *[[f"{v:,}" if isinstance(v, int) else str(v) for v in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-             for row in cells]  # fmt: skip
+    lines = [
+        "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def data_summary(manifest: dict[str, Any]) -> str:
-    headers = ["source", "format", "examples", "train", "held-out", "train tokens", "answer tokens", "truncated", "skipped"]
+    headers = [
+        "source",
+        "format",
+        "examples",
+        "train",
+        "held-out",
+        "train tokens",
+        "answer tokens",
+        "truncated",
+        "skipped",
+    ]
     rows, totals = [], [0] * 7
     for name, info in manifest["sources"].items():
         if info.get("dropped"):
             rows.append([name, "dropped", 0, 0, 0, 0, 0, 0, info["skipped"]])
             continue
-        counts = [info["examples"], info["train_examples"], len(info["heldout_indices"]), info["train_tokens"],
-                  info["supervised_tokens"], info["truncated"], info["skipped"]]  # fmt: skip
+        counts = [
+            info["examples"],
+            info["train_examples"],
+            len(info["heldout_indices"]),
+            info["train_tokens"],
+            info["supervised_tokens"],
+            info["truncated"],
+            info["skipped"],
+        ]
         totals = [a + b for a, b in zip(totals, counts)]
         rows.append([name, info["format"], *counts])
     rows.append(["total", "", *totals])
@@ -101,7 +121,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.config is None and args.run_dir is None:
         raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
     try:
-        report = (joint if args.flow == "joint" else merit)(config=args.config, overrides=args.overrides, run_dir=args.run_dir)
+        report = (joint if args.flow == "joint" else merit)(
+            config=args.config, overrides=args.overrides, run_dir=args.run_dir
+        )
     except RuntimeError as err:  # a failed stage; Prefect has logged the details
         sys.exit(f"merit: the {args.flow} flow failed: {err}")
     print(f"report: {report}")
@@ -112,11 +134,18 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
     cfg, run_dir = resolve_run(args)
     summary = calibrate(cfg, run_dir, diagnostics=args.diagnostics, force=args.force)
-    print(f"calibration: {summary['dim']:,} of {summary['parameters']:,} gradient coordinates ({summary['sketch']}), "
-          f"{summary['gradient_seconds']:.1f} s of gradients, {summary['total_seconds']:.1f} s in all")  # fmt: skip
+    print(
+        f"calibration: {summary['dim']:,} of {summary['parameters']:,} gradient coordinates ({summary['sketch']}), "
+        f"{summary['gradient_seconds']:.1f} s of gradients, {summary['total_seconds']:.1f} s in all"
+    )
     shares = ", ".join(f"{100 * v:.1f} %" for v in summary["explained_variance"])
-    print(f"split into {len(summary['groups'])} groups" + (f" (explained variance of the axes: {shares})" if shares else ""))
-    rows = [[k, tokens, ", ".join(group)] for k, (group, tokens) in enumerate(zip(summary["groups"], summary["tokens"]))]
+    print(
+        f"split into {len(summary['groups'])} groups"
+        + (f" (explained variance of the axes: {shares})" if shares else "")
+    )
+    rows = [
+        [k, tokens, ", ".join(group)] for k, (group, tokens) in enumerate(zip(summary["groups"], summary["tokens"]))
+    ]
     print(format_table(["group", "tokens", "sources"], rows))
     if "diagnostics" in summary:
         d = summary["diagnostics"]
@@ -135,8 +164,11 @@ def cmd_merge(args: argparse.Namespace) -> None:
     report = merge_checkpoints(spec)
     counts = ", ".join(f"{m}: {n}" for m, n in report.summary()["method_counts"].items())
     print(f"merged {report.tensors} tensors ({counts}) into {report.out_path}")
-    print(f"read {report.bytes_read / 1e6:,.1f} MB in {report.total_seconds:.2f} s "
-          f"(read {report.read_seconds:.2f} s, compute {report.compute_seconds:.2f} s, write {report.write_seconds:.2f} s)")  # fmt: skip
+    print(
+        f"read {report.bytes_read / 1e6:,.1f} MB in {report.total_seconds:.2f} s "
+        f"(read {report.read_seconds:.2f} s, compute {report.compute_seconds:.2f} s, "
+        f"write {report.write_seconds:.2f} s)"
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -148,8 +180,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def add_run_options(p: argparse.ArgumentParser, force: bool = True) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML run config (default: the run directory's config.yaml)")
     p.add_argument("--run-dir", help="run directory (default: runs/<run.name>)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set data.max_length=512")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set data.max_length=512",
+    )
     if force:
         p.add_argument("--force", action="store_true", help="redo stages whose outputs are up to date")
     return p
@@ -167,14 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="(re)build the run's report from what is on disk")
     add_run_options(report, force=False).set_defaults(func=cmd_report)
 
-    run = sub.add_parser("run", help="the whole pipeline as a Prefect flow (local ephemeral server unless PREFECT_API_URL)")
-    add_run_options(run, force=False).add_argument("--flow", choices=["merit", "joint"], default="merit",
-                                                   help="merit (default), or the joint baseline alone")  # fmt: skip
+    run = sub.add_parser(
+        "run", help="the whole pipeline as a Prefect flow (local ephemeral server unless PREFECT_API_URL)"
+    )
+    add_run_options(run, force=False).add_argument(
+        "--flow", choices=["merit", "joint"], default="merit", help="merit (default), or the joint baseline alone"
+    )
     run.set_defaults(func=cmd_run)
 
     calibrate = sub.add_parser("calibrate", help="per-source gradient conflicts at θ0 and the MERIT split")
-    add_run_options(calibrate).add_argument("--diagnostics", action="store_true",
-                                            help="also measure split stability and gradient accuracy vs n")  # fmt: skip
+    add_run_options(calibrate).add_argument(
+        "--diagnostics", action="store_true", help="also measure split stability and gradient accuracy vs n"
+    )
     calibrate.set_defaults(func=cmd_calibrate)
 
     merge = sub.add_parser("merge", help="merge checkpoints as a mergekit-like YAML spec says")
@@ -191,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = benches.add_parser("merge", help="merge throughput per method beside the streaming floor")
     bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
     bench.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
-    bench.add_argument("--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)")
+    bench.add_argument(
+        "--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)"
+    )
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
     bench = add_run_options(benches.add_parser("train", help="branch trainer vs a plain PyTorch loop; 1 vs 2 ranks"))
@@ -199,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--size", choices=["tiny", "small", "3b"], help="model widths (default: 3b on cuda, else tiny)")
     bench.add_argument("--micro-batch", type=int, default=8, help="micro batch of the real-width run")
-    bench.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 bf16 dense: 989)")
+    bench.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 bf16 dense: 989)"
+    )
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
@@ -213,8 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, CheckpointError, MergeInputError, MergeSpecError, CalibrationError, SplitError,
-            BranchFailed) as err:  # fmt: skip
+    except (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        MergeInputError,
+        MergeSpecError,
+        CalibrationError,
+        SplitError,
+        BranchFailed,
+    ) as err:
         print(f"merit: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -32,19 +32,32 @@ def branch_finals(run_dir: str | Path) -> list[Path]:
 def find_entry(cfg: RunConfig, name: str) -> MergeEntry:
     entry = next((m for m in cfg.merge.methods if m.name == name), None)
     if entry is None:
-        raise ValueError(f"no merge named '{name}' in the config; merge.methods has {[m.name for m in cfg.merge.methods]}")
+        raise ValueError(
+            f"no merge named '{name}' in the config; merge.methods has {[m.name for m in cfg.merge.methods]}"
+        )
     return entry
 
 
 def merge_spec(cfg: RunConfig, run_dir: str | Path, entry: MergeEntry, fishers: list[Path] | None = None) -> MergeSpec:
     models = [
-        ModelEntry(path=str(final), tokens=read_manifest(final)["tokens_seen"] if entry.weighting == "tokens" else None,
-                   fisher=str(fishers[k]) if fishers else None)
+        ModelEntry(
+            path=str(final),
+            tokens=read_manifest(final)["tokens_seen"] if entry.weighting == "tokens" else None,
+            fisher=str(fishers[k]) if fishers else None,
+        )
         for k, final in enumerate(branch_finals(run_dir))
-    ]  # fmt: skip
-    return MergeSpec(base_model=init_path(cfg, run_dir), models=models, method=entry.method, params=entry.params,
-                     rules=entry.rules, out_path=str(merged_dir(run_dir, entry.name)), out_dtype=cfg.merge.out_dtype,
-                     device=cfg.merge.device, seed=cfg.run.seed)  # fmt: skip
+    ]
+    return MergeSpec(
+        base_model=init_path(cfg, run_dir),
+        models=models,
+        method=entry.method,
+        params=entry.params,
+        rules=entry.rules,
+        out_path=str(merged_dir(run_dir, entry.name)),
+        out_dtype=cfg.merge.out_dtype,
+        device=cfg.merge.device,
+        seed=cfg.run.seed,
+    )
 
 
 def needs_fisher(entry: MergeEntry) -> bool:
@@ -70,7 +83,9 @@ def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:
     """Write ``merged/<name>`` unless it exists from the same spec and the same input weights;
     returns the merge report."""
     entry = find_entry(cfg, name)
-    fishers = [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
+    fishers = (
+        [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
+    )
     spec = merge_spec(cfg, run_dir, entry, fishers)
     paths = [spec.base_model, *(m.path for m in spec.models), *(m.fisher for m in spec.models if m.fisher)]
     inputs = {path: checkpoint_id(path) for path in paths}

@@ -18,8 +18,8 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="merit-prefect-home-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from pipeline.config import RunConfig, load_config  # noqa: E402
-from pipeline.models import init_model, load_processor  # noqa: E402
+from pipeline.config import RunConfig, load_config
+from pipeline.models import init_model, load_processor
 
 
 def small_config(*overrides: str) -> RunConfig:

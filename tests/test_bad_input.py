@@ -3,15 +3,18 @@
 import json
 
 import pytest
-
 from conftest import llava_record, small_config, write_image, write_json
+
 from pipeline.data import DataError, load_sources, prepare_data
 from pipeline.models import processor_for
 
 GOOD = llava_record("a.png")
 BAD_RECORDS = {
     "no conversations": ({"image": "a.png"}, "no 'conversations' or 'messages'"),
-    "unknown role": ({"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role 'robot'"),
+    "unknown role": (
+        {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
+        "unknown role 'robot'",
+    ),
     "tag count": (llava_record("a.png") | {"image": ["a.png", "a.png"]}, "1 <image> tags but 2 images"),
     "missing image": (llava_record("nope.png"), "'nope.png' not found"),
     "escaping path": (llava_record("../secret.png"), "escapes the images folder"),

@@ -1,6 +1,7 @@
 import io
 
 from conftest import small_config
+
 from pipeline.data import load_sources
 from pipeline.data.builtin import CONFLICTS, FAMILIES, SOURCES, make_example
 

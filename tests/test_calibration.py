@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import small_config
 
 from calibration.errors import CalibrationError, SplitError
 from calibration.gradients import Sketch, calibration_sample, estimate_source_gradients, select_parameters
 from calibration.split import conflict_matrix, plan_split
-from conftest import small_config
 from pipeline.data import Collator, Encoder, load_sources
 from pipeline.data.builtin import CONFLICTS
 from pipeline.models import build_tiny_model, load_model
@@ -50,7 +50,7 @@ def test_gradients_match_a_direct_computation_and_leave_the_model_unchanged(setu
     model.zero_grad(set_to_none=True)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-    assert result.examples == {s: 7 for s in sample} and result.parameters == result.matrix.shape[1]
+    assert result.examples == dict.fromkeys(sample, 7) and result.parameters == result.matrix.shape[1]
     assert all(n.startswith("model.language_model.layers.") and "weight" in n for n in names)
 
 
@@ -67,7 +67,7 @@ def test_sketch_preserves_cosines(setup, kind, tolerance):
     """At dim = D/4 the sketched cosine conflicts stay within the stated tolerance of the exact ones."""
     model, examples, encoder, collator = setup
     sample = {s: items[:8] for s, items in examples.items()}
-    full, names = estimate(model, sample, encoder, collator)
+    full, _names = estimate(model, sample, encoder, collator)
     sketched, _ = estimate(model, sample, encoder, collator, dim=full.parameters // 4, sketch_kind=kind)
     assert sketched.matrix.shape == (18, full.parameters // 4)
     error = (conflict_matrix(sketched.matrix) - conflict_matrix(full.matrix)).abs().max()
@@ -85,7 +85,7 @@ def test_sketch_is_linear_and_seeded():
 
 
 def test_nan_gradient_names_the_source(setup):
-    model, examples, encoder, collator = setup
+    _model, examples, encoder, collator = setup
     broken = build_tiny_model(small_config().model, 0)[0]
     with torch.no_grad():
         broken.model.language_model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
@@ -103,6 +103,7 @@ def test_small_sources_use_what_they_have_and_say_so(setup):
 
 
 # --- the split plan -----------------------------------------------------------------------------
+
 
 def block_conflicts(n_per_camp=4, noise=0.05, seed=0):
     """Two camps of sources that agree inside and conflict across: cosine ≈ +1 / −1."""
@@ -177,12 +178,36 @@ def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
 def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
     common = ["--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=12", "--set", "warmup.steps=0"]
     for stage in ("init", "prepare"):
-        subprocess.run([sys.executable, "-m", "pipeline.cli", stage, "configs/demo.yaml", *common], cwd=ROOT, check=True,
-                       capture_output=True, timeout=300)  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path), "--diagnostics",
-                          "--set", "calibration.n_per_source=12", "--set", "calibration.resamples=2",
-                          "--set", "calibration.reference_n=16", "--set", "calibration.r=2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", stage, "configs/demo.yaml", *common],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "calibrate",
+            "--run-dir",
+            str(tmp_path),
+            "--diagnostics",
+            "--set",
+            "calibration.n_per_source=12",
+            "--set",
+            "calibration.resamples=2",
+            "--set",
+            "calibration.reference_n=16",
+            "--set",
+            "calibration.r=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "fewer than n=12" in run.stdout  # 12 examples, 10 of them for training
     out = tmp_path / "calibration"
@@ -195,6 +220,11 @@ def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
     assert 0 <= summary["diagnostics"]["mean_ari"] <= 1 and summary["gradient_seconds"] > 0
     for png in ("conflicts.png", "axes.png", "explained_variance.png", "accuracy_vs_n.png"):
         assert (out / png).stat().st_size > 10_000
-    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path),
-                          "--set", "calibration.r=5"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path), "--set", "calibration.r=5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "2^r = 32 groups but there are only 18 sources" in bad.stderr

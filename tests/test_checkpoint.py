@@ -5,10 +5,9 @@ from pipeline.checkpoint import CheckpointError, is_complete, staged_dir, verify
 
 def test_staged_dir_is_all_or_nothing(tmp_path):
     dst = tmp_path / "ckpt"
-    with pytest.raises(RuntimeError):
-        with staged_dir(dst) as tmp:
-            (tmp / "weights.bin").write_bytes(b"half")
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), staged_dir(dst) as tmp:
+        (tmp / "weights.bin").write_bytes(b"half")
+        raise RuntimeError("killed mid-write")
     assert not dst.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -50,8 +49,7 @@ def test_a_kill_between_the_renames_keeps_the_old_checkpoint(tmp_path):
         (tmp / "w.bin").write_bytes(b"old")
         write_manifest(tmp)
     (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-1234abcd")  # the state right after the first rename
-    with pytest.raises(RuntimeError):
-        with staged_dir(tmp_path / "ckpt"):
-            raise RuntimeError("the next writer fails")
+    with pytest.raises(RuntimeError), staged_dir(tmp_path / "ckpt"):
+        raise RuntimeError("the next writer fails")
     assert (tmp_path / "ckpt" / "w.bin").read_bytes() == b"old" and is_complete(tmp_path / "ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

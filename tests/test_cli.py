@@ -11,7 +11,9 @@ SMALL = ["--set", "data.builtin.examples_per_source=10", "--set", "warmup.steps=
 
 
 def merit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path):
@@ -30,7 +32,10 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path):
     assert "split into 2 groups" in split.stdout and (tmp_path / "calibration" / "split.json").is_file()
     early = merit("calibrate", "--run-dir", str(tmp_path), "--set", "warmup.steps=5")  # θ0 is now the warm-up's
     assert early.returncode == 2
-    assert f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in early.stderr and "merit train --branch warmup" in early.stderr
+    assert (
+        f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in early.stderr
+        and "merit train --branch warmup" in early.stderr
+    )
     # Any stage re-runs alone from the run directory's resolved config.
     again = merit("prepare", "--run-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
@@ -53,8 +58,9 @@ def test_bad_data_exits_2_naming_file_and_record(tmp_path):
 
 
 def test_bench_data_prints_rates(tmp_path):
-    run = merit("bench", "data", "--run-dir", str(tmp_path), "--examples", "64", "--steps", "2", "--workers", "0", *SMALL)
+    run = merit(
+        "bench", "data", "--run-dir", str(tmp_path), "--examples", "64", "--steps", "2", "--workers", "0", *SMALL
+    )
     assert run.returncode == 0, run.stderr
     ratio = next(line for line in run.stdout.splitlines() if line.startswith("encoding / training"))
     assert float(ratio.split()[-4].rstrip("x")) > 0
-

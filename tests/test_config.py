@@ -8,7 +8,9 @@ DEMO = Path(__file__).parent.parent / "configs" / "demo.yaml"
 
 
 def test_demo_config_loads_and_overrides_apply():
-    cfg = load_config(DEMO, ["data.max_length=256", "model.freeze.freeze_vision_tower=true", "data.sources.0.max_examples=5"])
+    cfg = load_config(
+        DEMO, ["data.max_length=256", "model.freeze.freeze_vision_tower=true", "data.sources.0.max_examples=5"]
+    )
     assert cfg.data.max_length == 256
     assert cfg.model.freeze.freeze_vision_tower is True
     assert cfg.data.sources[0].max_examples == 5

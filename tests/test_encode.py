@@ -1,6 +1,6 @@
 import torch
-
 from conftest import small_config
+
 from pipeline.data import IGNORE_INDEX, Collator, Encoder, Example, load_sources
 from pipeline.data.builtin import make_example
 
@@ -18,7 +18,10 @@ def ids(processor, text: str) -> list[int]:
 def test_labels_cover_exactly_the_assistant_turns(processor):
     enc = Encoder(processor, 512)(text_example("What is 1 + 1?", "2", "And 2 + 2?", "four"))
     # An independent expectation: tokenize the template's pieces one by one.
-    prompt1 = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    prompt1 = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
     prompt2 = "<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     pieces = [(prompt1, False), ("2<|im_end|>\n", True), (prompt2, False), ("four<|im_end|>\n", True)]
     expected_ids, expected_labels = [], []

@@ -15,20 +15,36 @@ from pipeline.cli import main as merit
 from pipeline.config import load_config
 from pipeline.data import IGNORE_INDEX, Collator, Encoder, load_split, prepare_data
 from pipeline.eval import evaluate_model
-from pipeline.layout import EVAL
 from pipeline.eval import heldout as heldout_module
+from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor, processor_for
 
 ROOT = Path(__file__).parent.parent
 SOURCES = ["colour_name", "add_digits", "caption"]  # an image task, a text task, a longer answer
-KEYS = {"model", "checkpoint", "checkpoint_id", "config_digest", "sources", "loss", "macro_loss", "token_accuracy", "seconds"}
+KEYS = {
+    "model",
+    "checkpoint",
+    "checkpoint_id",
+    "config_digest",
+    "sources",
+    "loss",
+    "macro_loss",
+    "token_accuracy",
+    "seconds",
+}
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("eval-run")
-    settings = ["--set", f"data.sources=[{{name: builtin, format: builtin, tasks: [{', '.join(SOURCES)}]}}]",
-                "--set", "data.builtin.examples_per_source=16", "--set", "data.heldout_fraction=0.5"]  # fmt: skip
+    settings = [
+        "--set",
+        f"data.sources=[{{name: builtin, format: builtin, tasks: [{', '.join(SOURCES)}]}}]",
+        "--set",
+        "data.builtin.examples_per_source=16",
+        "--set",
+        "data.heldout_fraction=0.5",
+    ]
     assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *settings]) == 0
     assert merit(["prepare", "--run-dir", str(run)]) == 0  # calibration is not needed here
     return run
@@ -86,8 +102,12 @@ def test_loss_and_accuracy_match_the_models_own_loss_at_any_batch_size(run_dir):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
             assert got["token_accuracy"] == pytest.approx(want["token_accuracy"], abs=1e-9)
         total = sum(s["tokens"] for s in expected.values())
-        assert result["loss"] == pytest.approx(sum(s["loss"] * s["tokens"] for s in expected.values()) / total, abs=1e-5)
-        assert result["macro_loss"] == pytest.approx(sum(s["loss"] for s in expected.values()) / len(expected), abs=1e-5)
+        assert result["loss"] == pytest.approx(
+            sum(s["loss"] * s["tokens"] for s in expected.values()) / total, abs=1e-5
+        )
+        assert result["macro_loss"] == pytest.approx(
+            sum(s["loss"] for s in expected.values()) / len(expected), abs=1e-5
+        )
 
 
 def test_result_is_written_and_cached_until_checkpoint_or_config_change(run_dir, tmp_path, loads):
@@ -114,14 +134,18 @@ def test_result_is_written_and_cached_until_checkpoint_or_config_change(run_dir,
     assert loads[-1] == other and changed["checkpoint_id"] != first["checkpoint_id"]
     assert len(loads) == 3 and abs(changed["loss"] - first["loss"]) > 1e-3
 
-    fewer = evaluate_model(config(run_dir, "eval.max_examples_per_source=1"), run_dir, "m", other)  # eval config changed
+    fewer = evaluate_model(
+        config(run_dir, "eval.max_examples_per_source=1"), run_dir, "m", other
+    )  # eval config changed
     assert len(loads) == 4 and all(s["examples"] == 1 for s in fewer["sources"].values())
 
 
 def test_sources_without_heldout_examples(run_dir, tmp_path, loads):
     # Two built-in tasks, one held out at fraction 0: it is skipped; with both at 0 nothing is left.
-    sources = ("[{name: a, format: builtin, tasks: [colour_name], heldout_fraction: 0},"
-               " {name: b, format: builtin, tasks: [add_digits]}]")
+    sources = (
+        "[{name: a, format: builtin, tasks: [colour_name], heldout_fraction: 0},"
+        " {name: b, format: builtin, tasks: [add_digits]}]"
+    )
     run = tmp_path / "partial"
     shutil.copytree(run_dir / "init", run / "init")
     cfg = config(run_dir, f"data.sources={sources}")

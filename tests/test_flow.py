@@ -14,27 +14,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import processes_of
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from conftest import processes_of
 from flows.merit import joint, merit
 from pipeline.checkpoint import is_complete, read_manifest
 
 ROOT = Path(__file__).parent.parent
 OVERRIDES = [
-    "data.builtin.examples_per_source=24", "calibration.n_per_source=4", "warmup.steps=4", "train.steps=16",
-    "train.micro_batch=4", "train.checkpoint_every=4", f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
-    "flow.retry_delay_s=0", "merge.fisher_examples=4",
-    "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}, {name: fisher, method: fisher}]",
-]  # fmt: skip
+    "data.builtin.examples_per_source=24",
+    "calibration.n_per_source=4",
+    "warmup.steps=4",
+    "train.steps=16",
+    "train.micro_batch=4",
+    "train.checkpoint_every=4",
+    f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "flow.retry_delay_s=0",
+    "merge.fisher_examples=4",
+    "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}, "
+    "{name: fisher, method: fisher}]",
+]
 MERGES = ["token_average", "iso_c", "fisher"]
 
 
 def run_flow(run_dir: Path, *extra: str):
-    return merit(config=str(ROOT / "configs/demo.yaml"), overrides=[*OVERRIDES, *extra], run_dir=str(run_dir), return_state=True)
+    return merit(
+        config=str(ROOT / "configs/demo.yaml"), overrides=[*OVERRIDES, *extra], run_dir=str(run_dir), return_state=True
+    )
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -94,7 +103,9 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
 
     with get_client(sync_client=True) as client:
         run_id = state.state_details.flow_run_id
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+        )
     by_key = {a.key: a for a in artifacts if a.key}
     assert by_key["demo-report"].type == "markdown" and "## Models" in by_key["demo-report"].data
     assert by_key["demo-models"].type == "table" and "merged-token_average" in json.dumps(by_key["demo-models"].data)
@@ -106,8 +117,13 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
 
 def test_a_rerun_redoes_nothing(finished_run):
     run_dir, _ = finished_run
-    outputs = [*run_dir.glob("*/final/manifest.json"), *run_dir.glob("branches/*/final/manifest.json"),
-               *run_dir.glob("merged/*/manifest.json"), *run_dir.glob("eval/*.json"), *run_dir.glob("**/train.log")]  # fmt: skip
+    outputs = [
+        *run_dir.glob("*/final/manifest.json"),
+        *run_dir.glob("branches/*/final/manifest.json"),
+        *run_dir.glob("merged/*/manifest.json"),
+        *run_dir.glob("eval/*.json"),
+        *run_dir.glob("**/train.log"),
+    ]
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs}
     assert len(before) >= 15
     assert run_flow(run_dir).is_completed()

@@ -4,9 +4,9 @@ import json
 
 import datasets
 import pytest
+from conftest import llava_record, small_config, write_image, write_json
 from PIL import Image
 
-from conftest import llava_record, small_config, write_image, write_json
 from pipeline.data import load_sources
 
 
@@ -43,17 +43,25 @@ def test_sharegpt_json_with_system_turn_and_two_images(tmp_path):
     path = write_json(tmp_path / "sg.json", [record])
     (example,) = load(tmp_path, {"name": "s", "format": "sharegpt", "path": str(path)}).examples["s"]
     assert [m["role"] for m in example.messages] == ["system", "user", "assistant"]
-    assert example.messages[1]["content"] == [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is blue?"}]
+    assert example.messages[1]["content"] == [
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": "Which is blue?"},
+    ]
     assert [img.getpixel((0, 0)) for img in example.load_images()] == [(255, 0, 0), (0, 0, 255)]
 
 
 def test_vision_flan_one_source_per_task(tmp_path):
     write_image(tmp_path / "images" / "p.png")
     records = [
-        {"id": str(i), "task_name": task, "image": "p.png",
-         "conversations": [{"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": task}]}
+        {
+            "id": str(i),
+            "task_name": task,
+            "image": "p.png",
+            "conversations": [{"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": task}],
+        }
         for i, task in enumerate(["ocr", "vqa", "ocr", "caption"])
-    ]  # fmt: skip
+    ]
     path = write_json(tmp_path / "annotation_191-task_1k.json", records)
     spec = {"name": "vflan", "format": "vision_flan", "path": str(path), "images_dir": str(tmp_path / "images")}
     loaded = load(tmp_path, spec)
@@ -65,7 +73,10 @@ def test_vision_flan_one_source_per_task(tmp_path):
 
 def test_jsonl_mixes_record_shapes_and_caps_examples(tmp_path):
     write_image(tmp_path / "a.png")
-    lines = [llava_record("a.png"), {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    lines = [
+        llava_record("a.png"),
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines * 3) + "\n\n")
     loaded = load(tmp_path, {"name": "j", "format": "jsonl", "path": str(path), "max_examples": 4})

@@ -46,8 +46,12 @@ def disk_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def spec(tmp_path, base, paths, **fields) -> MergeSpec:
-    data = {"base_model": str(base), "models": [{"path": str(p), "tokens": 100 * (i + 1)} for i, p in enumerate(paths)],
-            "method": "weighted_average", "out_path": str(tmp_path / "merged")}  # fmt: skip
+    data = {
+        "base_model": str(base),
+        "models": [{"path": str(p), "tokens": 100 * (i + 1)} for i, p in enumerate(paths)],
+        "method": "weighted_average",
+        "out_path": str(tmp_path / "merged"),
+    }
     return MergeSpec.model_validate(data | fields)
 
 
@@ -73,11 +77,15 @@ def test_weighted_merge_matches_the_formula_and_loads(branches, tmp_path):
 
 def test_rules_per_group_sharded_output_and_bf16(branches, tmp_path):
     base, paths = branches
-    rules = [{"group": "embeddings", "method": "weighted_average"},
-             {"group": "vision_tower", "method": "ties", "params": {"density": 0.5}},
-             {"pattern": "*", "method": "iso_c"}]  # fmt: skip
-    report = merge_checkpoints(spec(tmp_path, base, paths, method=None, rules=rules, out_dtype="bfloat16",
-                                    max_shard_size=150_000), progress=False)  # fmt: skip
+    rules = [
+        {"group": "embeddings", "method": "weighted_average"},
+        {"group": "vision_tower", "method": "ties", "params": {"density": 0.5}},
+        {"pattern": "*", "method": "iso_c"},
+    ]
+    report = merge_checkpoints(
+        spec(tmp_path, base, paths, method=None, rules=rules, out_dtype="bfloat16", max_shard_size=150_000),
+        progress=False,
+    )
     assert report.methods["model.embed_tokens.weight"] == "weighted_average"
     assert report.methods["visual.blocks.0.attn.qkv.weight"] == "ties"
     assert report.methods["model.layers.0.mlp.up_proj.weight"] == "iso_c"
@@ -113,15 +121,31 @@ def test_tied_lm_head_is_written_once(branches, tmp_path):
 def test_cli_merge(branches, tmp_path):
     base, paths = branches
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump({"base_model": str(base), "models": [{"path": str(p)} for p in paths],
-                                         "method": "ties", "params": {"density": 0.3}, "out_path": str(tmp_path / "m")}))  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "base_model": str(base),
+                "models": [{"path": str(p)} for p in paths],
+                "method": "ties",
+                "params": {"density": 0.3},
+                "out_path": str(tmp_path / "m"),
+            }
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "ties:" in run.stdout and (tmp_path / "m" / "model.safetensors").is_file()
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"models": [{"path": str(paths[0])}], "method": "ties", "out_path": "x"}))
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "merge", str(bad)], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "merge", str(bad)], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 2 and "need base_model" in run.stderr
 
 
@@ -143,11 +167,20 @@ def broken_copy(tmp_path, source: Path, edit) -> Path:
         (lambda t: t.pop("model.norm.weight"), r"tensor names differ .*missing \['model.norm.weight'\]"),
         (lambda t: t.update({"extra.weight": torch.zeros(2)}), r"extra \['extra.weight'\]"),
         (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"tensor model.norm.weight is \(3,\)"),
-        (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].half()}), r"model.norm.weight .*torch.float16"),
-        (lambda t: t["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(5, float("nan")), r"model.layers.0.mlp.up_proj.weight contains NaN"),
-        (lambda t: t["visual.merger.mlp.0.weight"].view(-1).__setitem__(0, float("inf")), r"visual.merger.mlp.0.weight contains NaN or Inf"),
+        (
+            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].half()}),
+            r"model.norm.weight .*torch.float16",
+        ),
+        (
+            lambda t: t["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(5, float("nan")),
+            r"model.layers.0.mlp.up_proj.weight contains NaN",
+        ),
+        (
+            lambda t: t["visual.merger.mlp.0.weight"].view(-1).__setitem__(0, float("inf")),
+            r"visual.merger.mlp.0.weight contains NaN or Inf",
+        ),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("method", ["weighted_average", "ties"])
 def test_refusals_name_the_tensor_and_file(branches, tmp_path, edit, message, method):
     base, paths = branches
@@ -184,8 +217,10 @@ def test_spec_refusals(branches, tmp_path):
     with pytest.raises(ValueError, match="either 'method'"):
         spec(tmp_path, base, paths, rules=[{"pattern": "*", "method": "ties"}])
     with pytest.raises(ValueError, match="no merge rule matches"):
-        merge_checkpoints(spec(tmp_path, base, paths, method=None, rules=[{"group": "embeddings", "method": "linear"}]),
-                          progress=False)  # fmt: skip
+        merge_checkpoints(
+            spec(tmp_path, base, paths, method=None, rules=[{"group": "embeddings", "method": "linear"}]),
+            progress=False,
+        )
 
 
 def test_fisher_helper_and_fisher_merge(branches, tiny_run, processor, tmp_path):
@@ -210,7 +245,9 @@ def test_fisher_helper_and_fisher_merge(branches, tiny_run, processor, tmp_path)
     f = [disk_tensors(x) for x in fishers]
     for name in ("model.layers.0.mlp.up_proj.weight", "visual.blocks.1.attn.qkv.weight"):
         w0, w1 = f[0][name].clamp_min(1e-6) * 0.5, f[1][name].clamp_min(1e-6) * 0.5
-        torch.testing.assert_close(merged[name], (w0 * thetas[0][name] + w1 * thetas[1][name]) / (w0 + w1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            merged[name], (w0 * thetas[0][name] + w1 * thetas[1][name]) / (w0 + w1), rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("example", sorted((ROOT / "configs" / "merge").glob("*.yaml")), ids=lambda p: p.name)
@@ -231,8 +268,17 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
     base, models = generate(tmp_path, 3, size_mb=48)
     out = tmp_path / "merged"
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump({"base_model": str(base), "models": [{"path": str(p)} for p in models],
-                                         "method": "ties", "out_path": str(out), "max_shard_size": 8_000_000}))  # fmt: skip
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "base_model": str(base),
+                "models": [{"path": str(p)} for p in models],
+                "method": "ties",
+                "out_path": str(out),
+                "max_shard_size": 8_000_000,
+            }
+        )
+    )
     command = [sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

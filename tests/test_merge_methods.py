@@ -21,8 +21,9 @@ def case(k: int, shape, seed=0, zero=False):
 
 
 def merged(method, base, models, weights, **params):
-    out = merge_state_dicts([{"t": m} for m in models], weights, [Rule(pattern="*", method=method, params=params)],
-                            base={"t": base})  # fmt: skip
+    out = merge_state_dicts(
+        [{"t": m} for m in models], weights, [Rule(pattern="*", method=method, params=params)], base={"t": base}
+    )
     return out["t"].numpy().astype(np.float64)
 
 
@@ -46,15 +47,16 @@ def test_weighted_average_and_task_arithmetic(k, shape, zero):
     b, taus, w = np_inputs(base, models, weights)
     thetas = taus + b
     np.testing.assert_allclose(merged("weighted_average", base, models, weights), np.tensordot(w, thetas, 1), atol=1e-5)
-    np.testing.assert_allclose(merged("task_arithmetic", base, models, weights, scale=0.3),
-                               b + 0.3 * np.tensordot(w, taus, 1), atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        merged("task_arithmetic", base, models, weights, scale=0.3), b + 0.3 * np.tensordot(w, taus, 1), atol=1e-5
+    )
 
 
 def np_ties(b, taus, w, density, scale):
     trimmed = np.zeros_like(taus)
     for i, t in enumerate(taus):
         flat = np.abs(t).ravel()
-        keep = max(1, int(round(density * flat.size)))
+        keep = max(1, round(density * flat.size))
         threshold = np.sort(flat)[::-1][keep - 1]
         trimmed[i] = np.where(np.abs(t) >= threshold, t, 0.0)
     total = np.tensordot(w, trimmed, 1)
@@ -96,7 +98,7 @@ def test_ties_on_a_large_tensor_matches_the_reference():
 def np_ties_vectorized(b, taus, w, density):
     k, n = len(taus), taus[0].size
     flat = taus.reshape(k, -1)
-    keep = max(1, int(round(density * n)))
+    keep = max(1, round(density * n))
     thresholds = np.sort(np.abs(flat), axis=1)[:, ::-1][:, keep - 1 : keep]
     trimmed = np.where(np.abs(flat) >= thresholds, flat, 0.0)
     total = (w[:, None] * trimmed).sum(0)
@@ -116,8 +118,15 @@ def test_fisher(k, shape, zero):
     f = np.maximum(fishers.double().numpy(), 1e-6) * w.reshape(-1, *([1] * len(SHAPES[shape])))
     expected = (f * (taus + b)).sum(0) / f.sum(0)
     method = get_method("fisher")
-    out = method.merge(torch.stack(models) - base, weights / weights.sum(), TensorContext("t", fishers=fishers),
-                       method.validate({})) + base  # fmt: skip
+    out = (
+        method.merge(
+            torch.stack(models) - base,
+            weights / weights.sum(),
+            TensorContext("t", fishers=fishers),
+            method.validate({}),
+        )
+        + base
+    )
     np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
 
 
@@ -141,10 +150,16 @@ def test_dare_drops_and_rescales_with_a_seed():
 @pytest.mark.parametrize("k, shape, zero", PARAMS)
 def test_dare_without_drop_is_linear_and_dare_ties_is_ties(k, shape, zero):
     base, models, weights = case(k, SHAPES[shape], zero=zero)
-    np.testing.assert_allclose(merged("dare", base, models, weights, drop=0.0, scale=0.5),
-                               merged("task_arithmetic", base, models, weights, scale=0.5), atol=1e-5)  # fmt: skip
-    np.testing.assert_allclose(merged("dare", base, models, weights, drop=0.0, combine="ties", density=0.2),
-                               merged("ties", base, models, weights, density=0.2), atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        merged("dare", base, models, weights, drop=0.0, scale=0.5),
+        merged("task_arithmetic", base, models, weights, scale=0.5),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        merged("dare", base, models, weights, drop=0.0, combine="ties", density=0.2),
+        merged("ties", base, models, weights, density=0.2),
+        atol=1e-6,
+    )
 
 
 def np_tsv(taus, w):

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import small_config
 from safetensors.torch import load_file
 
-from conftest import small_config
 from flows.merit import branch_slots
 from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_checkpoint
 from pipeline.layout import branch_dir, merged_dir
@@ -25,8 +25,14 @@ def save_branch(cfg, run_dir, k: int, shift: float, tokens: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(shift)
-    save_pretrained_checkpoint(branch_dir(run_dir, k) / "final", model, load_processor(run_dir / "init", cfg.model),
-                               step=1, tokens_seen=tokens, parent=str(run_dir / "init"))  # fmt: skip
+    save_pretrained_checkpoint(
+        branch_dir(run_dir, k) / "final",
+        model,
+        load_processor(run_dir / "init", cfg.model),
+        step=1,
+        tokens_seen=tokens,
+        parent=str(run_dir / "init"),
+    )
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@ import json
 
 import pytest
 import torch
+from conftest import small_config
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from conftest import small_config
 from pipeline.checkpoint import CheckpointError, verify_checkpoint
 from pipeline.data import Collator, Encoder, load_sources
 from pipeline.models import apply_freeze, build_tiny_model, count_parameters, load_model, parameter_groups
@@ -15,13 +15,18 @@ from pipeline.models.tiny import SPECIAL_TOKENS
 def mixed_batch(processor, cfg):
     """Two image examples and two text-only examples in one batch."""
     examples = load_sources(cfg.data, cfg.run.seed).examples
-    chosen = [examples["colour_name"][0], examples["add_digits"][0], examples["count_digits"][1], examples["uppercase"][2]]
+    chosen = [
+        examples["colour_name"][0],
+        examples["add_digits"][0],
+        examples["count_digits"][1],
+        examples["uppercase"][2],
+    ]
     encoder = Encoder(processor, cfg.data.max_length)
     return Collator(processor.tokenizer.pad_token_id)([encoder(ex) for ex in chosen])
 
 
 def test_checkpoint_reloads_through_auto_classes(tiny_run):
-    cfg, run_dir = tiny_run
+    _cfg, run_dir = tiny_run
     path = run_dir / "init"
     manifest = verify_checkpoint(path)
     assert manifest["step"] == 0 and "model.safetensors" in manifest["files"]
@@ -44,7 +49,7 @@ def test_build_is_deterministic_for_a_seed(tiny_run):
     (a, pa), (b, pb) = build_tiny_model(cfg.model, 0), build_tiny_model(cfg.model, 0)
     c, _ = build_tiny_model(cfg.model, 1)
     assert pa.tokenizer.backend_tokenizer.to_str() == pb.tokenizer.backend_tokenizer.to_str()
-    for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+    for (name, x), y, _z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
         assert torch.equal(x, y), name
     assert any(not torch.equal(x, z) for x, z in zip(a.state_dict().values(), c.state_dict().values()))
 
@@ -74,9 +79,12 @@ def test_reloaded_model_gives_the_same_loss_and_trains_one_step(tiny_run, proces
 
 @pytest.mark.parametrize(
     "flag, frozen_group",
-    [("freeze_vision_tower", "vision_tower"), ("freeze_multi_modal_projector", "multi_modal_projector"),
-     ("freeze_language_model", "language_model")],
-)  # fmt: skip
+    [
+        ("freeze_vision_tower", "vision_tower"),
+        ("freeze_multi_modal_projector", "multi_modal_projector"),
+        ("freeze_language_model", "language_model"),
+    ],
+)
 def test_freeze_policy(tiny_run, flag, frozen_group):
     cfg, run_dir = tiny_run
     model = load_model(run_dir / "init", small_config(f"model.freeze.{flag}=true").model)
@@ -84,7 +92,9 @@ def test_freeze_policy(tiny_run, flag, frozen_group):
     for group, params in groups.items():
         assert all(p.requires_grad == (group != frozen_group) for p in params), group
     counts = count_parameters(model)
-    assert counts["trainable"] == counts["total"] - sum(p.numel() for p in {id(p): p for p in groups[frozen_group]}.values())
+    assert counts["trainable"] == counts["total"] - sum(
+        p.numel() for p in {id(p): p for p in groups[frozen_group]}.values()
+    )
     apply_freeze(model, cfg.model.freeze)
     assert all(p.requires_grad for p in model.parameters())
 

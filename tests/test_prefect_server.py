@@ -24,10 +24,15 @@ ROOT = Path(__file__).parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")  # the CLI of the environment running the tests
 # The demo at test size; data, θ0 and split are made by the flow itself here, nothing is copied.
 OVERRIDES = [
-    "data.builtin.examples_per_source=24", "calibration.n_per_source=4", "warmup.steps=0", "train.steps=6",
-    "train.micro_batch=4", "train.checkpoint_every=3", "flow.joint_baseline=false",
+    "data.builtin.examples_per_source=24",
+    "calibration.n_per_source=4",
+    "warmup.steps=0",
+    "train.steps=6",
+    "train.micro_batch=4",
+    "train.checkpoint_every=3",
+    "flow.joint_baseline=false",
     "merge.methods=[{name: token_average, method: weighted_average}]",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +41,21 @@ def server(tmp_path_factory):
     deployments of prefect.yaml that need no GPU; stopped afterwards (its process group only)."""
     tmp_path = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}  # fmt: skip
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (the server's output until teardown)
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -65,7 +80,9 @@ def server(tmp_path_factory):
 
 
 def prefect(env: dict, *args: str, timeout: int = 120) -> str:
-    done = subprocess.run([PREFECT, "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [PREFECT, "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -107,12 +124,22 @@ def test_branches_fan_out_as_flow_runs_of_the_branch_deployment(server, tmp_path
     overrides = [*OVERRIDES, "flow.branch_deployment=merit-branch/branch-local"]
     params = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
     parent_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
-    log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "3"], env=server, cwd=ROOT,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (the worker's output until it ends)
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "3"],
+        env=server,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
-        while (state := api(server, f"flow_runs/{parent_id}", None)["state"]["type"]) not in ("COMPLETED", "FAILED", "CRASHED"):
+        while (state := api(server, f"flow_runs/{parent_id}", None)["state"]["type"]) not in (
+            "COMPLETED",
+            "FAILED",
+            "CRASHED",
+        ):
             assert time.monotonic() < deadline, "the merit run did not finish in 600 s"
             time.sleep(2)
     finally:

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import small_config
+
 from pipeline.data import Encoder, load_split, prepare_data, read_manifest
 from pipeline.data.prepare import heldout_indices
 from pipeline.models import processor_for
@@ -64,6 +64,7 @@ def test_stale_token_cache_is_refused(tmp_path, processor):
     import json
 
     from conftest import llava_record, write_json
+
     from pipeline.data import DataError
 
     path = write_json(tmp_path / "d.json", [llava_record(None, str(i)) for i in range(4)])
@@ -78,7 +79,9 @@ def test_seed_change_redoes_prepare_and_entry_heldout_fraction_applies(tmp_path,
     cfg = small_config("data.sources=[{name: b, format: builtin, tasks: [add_digits, caption], heldout_fraction: 0.5}]")
     first = prepare_data(cfg, tmp_path, processor)
     assert [len(v["heldout_indices"]) for v in first["sources"].values()] == [6, 6]
-    reseeded = small_config("run.seed=1", "data.sources=[{name: b, format: builtin, tasks: [add_digits, caption], heldout_fraction: 0.5}]")
+    reseeded = small_config(
+        "run.seed=1", "data.sources=[{name: b, format: builtin, tasks: [add_digits, caption], heldout_fraction: 0.5}]"
+    )
     second = prepare_data(reseeded, tmp_path, processor_for(reseeded))
     assert second["config_digest"] != first["config_digest"]
     assert load_split(reseeded, tmp_path, "train")["add_digits"]  # the cache matches the new corpus

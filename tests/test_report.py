@@ -33,11 +33,20 @@ LOSSES = {
 def write_base(run: Path) -> None:
     merges = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
     save_config(load_config(None, [merges]), run / "config.yaml")
-    info = {"examples": 20, "train_examples": 18, "heldout_indices": [0, 1], "supervised_tokens": 100, "format": "builtin",
-            "truncated": 0, "skipped": 0}  # fmt: skip
+    info = {
+        "examples": 20,
+        "train_examples": 18,
+        "heldout_indices": [0, 1],
+        "supervised_tokens": 100,
+        "format": "builtin",
+        "truncated": 0,
+        "skipped": 0,
+    }
     sources = {s: {**info, "train_tokens": 1000 * (i + 1)} for i, s in enumerate(SOURCES)}
-    write_json(run / "data" / "manifest.json", {"config_digest": "abc", "max_length": 1024,
-                                                "sources": {**sources, "broken": {"dropped": True, "skipped": 3}}})  # fmt: skip
+    write_json(
+        run / "data" / "manifest.json",
+        {"config_digest": "abc", "max_length": 1024, "sources": {**sources, "broken": {"dropped": True, "skipped": 3}}},
+    )
 
 
 def write_eval(run: Path, model: str) -> float:
@@ -46,18 +55,29 @@ def write_eval(run: Path, model: str) -> float:
     per_source = {s: {"loss": v, "token_accuracy": 0.5, "tokens": 50, "examples": 2} for s, v in zip(SOURCES, losses)}
     # the identity of the weights evaluated: the checkpoint's own when it exists (see the report's staleness check)
     path = model_paths(load_config(run / "config.yaml"), run).get(model, Path("absent"))
-    write_json(run / "eval" / f"{model}.json", {"model": model, "checkpoint": str(path), "checkpoint_id": checkpoint_id(path),
-               "config_digest": "abc", "sources": per_source, "loss": loss, "macro_loss": loss + 0.01,
-               "token_accuracy": 0.6, "seconds": 1.0})  # fmt: skip
+    write_json(
+        run / "eval" / f"{model}.json",
+        {
+            "model": model,
+            "checkpoint": str(path),
+            "checkpoint_id": checkpoint_id(path),
+            "config_digest": "abc",
+            "sources": per_source,
+            "loss": loss,
+            "macro_loss": loss + 0.01,
+            "token_accuracy": 0.6,
+            "seconds": 1.0,
+        },
+    )
     return loss
 
 
 def write_training(run: Path, folder: str, sources: list[str], records: list[dict], final: dict | None) -> None:
     out = run / folder
     cfg = load_config(run / "config.yaml")
-    BranchSpec(name=folder, run_dir=str(run), init=str(run / "init"), sources=sources, out_dir=str(out), config=cfg).save(
-        out / "spec.json"
-    )
+    BranchSpec(
+        name=folder, run_dir=str(run), init=str(run / "init"), sources=sources, out_dir=str(out), config=cfg
+    ).save(out / "spec.json")
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if final is not None:
         write_json(out / "final" / "manifest.json", {"files": {}, "sources": sources, "branch": folder, **final})
@@ -66,7 +86,14 @@ def write_training(run: Path, folder: str, sources: list[str], records: list[dic
 def metrics(losses: list[float], tokens_per_step: int, rates: list[float], elapsed: list[float] | None) -> list[dict]:
     records = []
     for i, (loss, rate) in enumerate(zip(losses, rates)):
-        r = {"step": i + 1, "loss": loss, "lr": 1e-3, "tokens": tokens_per_step * (i + 1), "tokens_per_s": rate, "grad_norm": 1.0}
+        r = {
+            "step": i + 1,
+            "loss": loss,
+            "lr": 1e-3,
+            "tokens": tokens_per_step * (i + 1),
+            "tokens_per_s": rate,
+            "grad_norm": 1.0,
+        }
         if elapsed is not None:
             r["elapsed_s"] = elapsed[i]
         records.append(r)
@@ -79,22 +106,57 @@ def full_run(tmp_path: Path) -> Path:
     write_base(run)
     write_training(run, "warmup", SOURCES, metrics([3.0, 2.5], 100, [100, 100], None), None)
     # branch 0: train_seconds in its final manifest wins over the metrics' elapsed_s
-    write_training(run, "branches/0", GROUPS[0], metrics([2.0, 1.8, 1.5], 1000, [50, 50, 50], [10.0, 20.0, 39.0]),
-                   {"step": 3, "tokens_seen": 3000, "train_seconds": 40.0})  # fmt: skip
+    write_training(
+        run,
+        "branches/0",
+        GROUPS[0],
+        metrics([2.0, 1.8, 1.5], 1000, [50, 50, 50], [10.0, 20.0, 39.0]),
+        {"step": 3, "tokens_seen": 3000, "train_seconds": 40.0},
+    )
     # branch 1: neither train_seconds nor elapsed_s (an older file): 1000/50 + 1000/50 + 1000/100 = 50 s
-    write_training(run, "branches/1", GROUPS[1], metrics([2.1, 1.9, 1.6], 1000, [50, 50, 100], None),
-                   {"step": 3, "tokens_seen": 3000})  # fmt: skip
-    write_training(run, "joint", SOURCES, metrics([2.0, 1.7, 1.4, 1.2], 1500, [100] * 4, [15.0, 30.0, 45.0, 70.0]),
-                   {"step": 4, "tokens_seen": 6000})  # fmt: skip
+    write_training(
+        run,
+        "branches/1",
+        GROUPS[1],
+        metrics([2.1, 1.9, 1.6], 1000, [50, 50, 100], None),
+        {"step": 3, "tokens_seen": 3000},
+    )
+    write_training(
+        run,
+        "joint",
+        SOURCES,
+        metrics([2.0, 1.7, 1.4, 1.2], 1500, [100] * 4, [15.0, 30.0, 45.0, 70.0]),
+        {"step": 4, "tokens_seen": 6000},
+    )
     for name, method, seconds in (("avg", "weighted_average", 1.5), ("iso", "iso_c", 4.25)):
-        write_json(run / "merged" / name / "manifest.json", {"kind": "merge", "spec": {"method": method, "params": {}},
-                   "report": {"total_seconds": seconds, "tensors": 10, "method_counts": {method: 10}}, "files": {}})  # fmt: skip
+        write_json(
+            run / "merged" / name / "manifest.json",
+            {
+                "kind": "merge",
+                "spec": {"method": method, "params": {}},
+                "report": {"total_seconds": seconds, "tensors": 10, "method_counts": {method: 10}},
+                "files": {},
+            },
+        )
     calibration = run / "calibration"
-    write_json(calibration / "summary.json", {"groups": GROUPS, "tokens": [5000, 5000], "explained_variance": [0.62],
-               "gradient_seconds": 0.7, "total_seconds": 0.9, "parameters": 1000, "dim": 64, "sketch": "projection",
-               "plots": ["calibration/conflicts.png"]})  # fmt: skip
-    write_json(calibration / "split.json", {"groups": GROUPS, "tokens": [5000, 5000], "r": 1, "explained_variance": [0.62],
-                                            "method": "pca", "seed": 0})  # fmt: skip
+    write_json(
+        calibration / "summary.json",
+        {
+            "groups": GROUPS,
+            "tokens": [5000, 5000],
+            "explained_variance": [0.62],
+            "gradient_seconds": 0.7,
+            "total_seconds": 0.9,
+            "parameters": 1000,
+            "dim": 64,
+            "sketch": "projection",
+            "plots": ["calibration/conflicts.png"],
+        },
+    )
+    write_json(
+        calibration / "split.json",
+        {"groups": GROUPS, "tokens": [5000, 5000], "r": 1, "explained_variance": [0.62], "method": "pca", "seed": 0},
+    )
     Image.new("RGB", (8, 8)).save(calibration / "conflicts.png")
     Image.new("RGB", (8, 8)).save(run / "branches" / "0" / "loss.png")
     for model in LOSSES:
@@ -139,17 +201,34 @@ def test_full_report(full_run: Path):
     assert branches["branch-1"]["train_seconds"] == pytest.approx(50.0)
     assert branches["joint"]["train_seconds"] == 70.0
     assert branches["warmup"]["train_seconds"] == pytest.approx(2.0)  # no final manifest: from the metrics
-    assert branches["branch-1"] | {"train_seconds": None} == {"name": "branch-1", "kind": "branch", "dir": "branches/1",
-           "sources": GROUPS[1], "tokens": 3000, "steps": 3, "train_seconds": None, "last_loss": 1.6}  # fmt: skip
+    assert branches["branch-1"] | {"train_seconds": None} == {
+        "name": "branch-1",
+        "kind": "branch",
+        "dir": "branches/1",
+        "sources": GROUPS[1],
+        "tokens": 3000,
+        "steps": 3,
+        "train_seconds": None,
+        "last_loss": 1.6,
+    }
     assert report["tables"]["branches"]["rows"][1] == ["branch-0", "branch", "captions, vqa", 3000, 3, 40.0, 1.5]
 
     costs = report["costs"]
     assert costs["branch_train_seconds_mean"] == pytest.approx(45.0)
     assert costs["branch_train_seconds_max"] == pytest.approx(50.0)
     assert costs["calibration_share_pct"] == pytest.approx(100 * 0.9 / 45.0)
-    assert costs["merges"] == {"avg": {"method": "weighted_average", "seconds": 1.5}, "iso": {"method": "iso_c", "seconds": 4.25}}
-    assert report["split"] == {"groups": GROUPS, "tokens": [5000, 5000], "r": 1, "explained_variance": [0.62], "method": "pca",
-                               "seed": 0}  # fmt: skip
+    assert costs["merges"] == {
+        "avg": {"method": "weighted_average", "seconds": 1.5},
+        "iso": {"method": "iso_c", "seconds": 4.25},
+    }
+    assert report["split"] == {
+        "groups": GROUPS,
+        "tokens": [5000, 5000],
+        "r": 1,
+        "explained_variance": [0.62],
+        "method": "pca",
+        "seed": 0,
+    }
 
     own = ["heldout_loss.png", "per_source.png", "training_curves.png"]
     assert report["plots"] == [*own, "../calibration/conflicts.png", "../branches/0/loss.png"]  # relative to report/
@@ -165,8 +244,13 @@ def test_full_report(full_run: Path):
     assert "(1.2000): +0.0500 (+4.17 %)" in md  # vs joint
     assert "(2.0000): -0.7500 (-37.50 %)" in md  # vs θ0
     assert "**2.00 %**" in md  # calibration share
-    for link in ("![held-out loss](heldout_loss.png)", "](per_source.png)", "](training_curves.png)",
-                 "(../calibration/conflicts.png)", "(../branches/0/loss.png)"):  # fmt: skip
+    for link in (
+        "![held-out loss](heldout_loss.png)",
+        "](per_source.png)",
+        "](training_curves.png)",
+        "(../calibration/conflicts.png)",
+        "(../branches/0/loss.png)",
+    ):
         assert link in md
     for title in ("Headline", "Models", "Per-source held-out loss", "Branches", "Split", "Costs", "Other plots"):
         assert f"\n## {title}\n" in md
@@ -209,17 +293,26 @@ def test_report_without_joint_or_merges(full_run: Path):
 def test_train_seconds_fallback():
     assert train_seconds([]) is None
     assert train_seconds(metrics([1.0, 1.0], 100, [10, 50], [3.0, 7.5])) == 7.5
-    assert train_seconds(metrics([1.0, 1.0, 1.0], 100, [10, 50, 0], None)) == pytest.approx(10 + 2)  # a 0 rate is skipped
+    assert train_seconds(metrics([1.0, 1.0, 1.0], 100, [10, 50, 0], None)) == pytest.approx(
+        10 + 2
+    )  # a 0 rate is skipped
 
 
 def test_markdown_table():
     text = markdown_table(["name", "n", "x"], [["a|b", 1234, 0.5], ["c", None, 1.0]])
-    assert text.splitlines() == ["| name | n | x |", "|:---|---:|---:|", "| a\\|b | 1,234 | 0.5000 |", "| c |  | 1.0000 |"]
+    assert text.splitlines() == [
+        "| name | n | x |",
+        "|:---|---:|---:|",
+        "| a\\|b | 1,234 | 0.5000 |",
+        "| c |  | 1.0000 |",
+    ]
 
 
 def test_the_report_leaves_out_stale_evaluations(full_run):
     manifest = full_run / "merged" / "iso" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"tensors": 10', '"tensors": 11'))  # iso was merged again
-    save_config(load_config(full_run / "config.yaml", ["merge.methods=[{name: iso, method: iso_c}]"]), full_run / "config.yaml")
+    save_config(
+        load_config(full_run / "config.yaml", ["merge.methods=[{name: iso, method: iso_c}]"]), full_run / "config.yaml"
+    )
     names = [m["name"] for m in build_report(full_run)["models"]]
     assert names == ["theta0", "branch-0", "branch-1", "joint"]  # avg left the config; iso's weights changed

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import processes_of
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from conftest import processes_of
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.cli import main as merit
 from pipeline.config import load_config
@@ -33,9 +33,19 @@ def run_dir(tmp_path_factory):
 
 
 def spec(run_dir: Path, out: Path, *overrides: str, sources=SOURCES) -> BranchSpec:
-    cfg = load_config(run_dir / "config.yaml", ["train.steps=12", "train.micro_batch=4", "train.checkpoint_every=4",
-                                                f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json", *overrides])  # fmt: skip
-    return BranchSpec(name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg)
+    cfg = load_config(
+        run_dir / "config.yaml",
+        [
+            "train.steps=12",
+            "train.micro_batch=4",
+            "train.checkpoint_every=4",
+            f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+            *overrides,
+        ],
+    )
+    return BranchSpec(
+        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg
+    )
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -45,7 +55,9 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("zero, processes", [(0, 1), (2, 2), (3, 2)])
 def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero, processes):
     out = tmp_path / f"z{zero}p{processes}"
-    branch = spec(run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}")
+    branch = spec(
+        run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}"
+    )
     result = train_branch(branch, echo=False)
     assert result.steps == 12 and result.tokens_seen > 0 and not result.resumed
     manifest = verify_checkpoint(out / "final")
@@ -69,8 +81,9 @@ def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):
     reference = train_branch(spec(run_dir, tmp_path / "straight"), echo=False)
     killed = spec(run_dir, tmp_path / "killed")
     spec_path = killed.save(tmp_path / "killed" / "spec.json")
-    proc = subprocess.Popen(command(spec_path, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command(spec_path, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
     while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"

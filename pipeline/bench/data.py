@@ -20,7 +20,9 @@ BATCH = 16
 def main(args: argparse.Namespace) -> None:
     cfg, run_dir = resolve_run(args)
     if cfg.model.name_or_path != "tiny":
-        raise SystemExit("merit bench data compares against the tiny model's training rate: use model.name_or_path=tiny")
+        raise SystemExit(
+            "merit bench data compares against the tiny model's training rate: use model.name_or_path=tiny"
+        )
     processor = processor_for(cfg, run_dir)
     prepare_data(cfg, run_dir, processor)
     train = load_split(cfg, run_dir, "train")
@@ -34,8 +36,13 @@ def main(args: argparse.Namespace) -> None:
     _timed_encode(encoder, examples[: 4 * BATCH])  # warm-up
     cached, encoded = _timed_encode(encoder, examples)
     full, _ = _timed_encode(encoder, uncached)
-    loader = torch.utils.data.DataLoader(EncodedDataset(examples, encoder), batch_size=BATCH, collate_fn=collate,
-                                         num_workers=args.workers, persistent_workers=args.workers > 0)  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        EncodedDataset(examples, encoder),
+        batch_size=BATCH,
+        collate_fn=collate,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )
     next(iter(loader))  # start the workers before timing
     start = time.perf_counter()
     for _ in loader:
@@ -48,7 +55,8 @@ def main(args: argparse.Namespace) -> None:
     print(f"encode, template + processor, 1 process: {full:8.0f} examples/s")
     print(f"encode, cached token ids, 1 process:     {cached:8.0f} examples/s")
     print(f"encode, cached, DataLoader {args.workers} workers:  {parallel:8.0f} examples/s")
-    print(f"tiny model training step:                {training:8.0f} examples/s  (AdamW, {torch.get_num_threads()} threads)")
+    threads = torch.get_num_threads()
+    print(f"tiny model training step:                {training:8.0f} examples/s  (AdamW, {threads} threads)")
     print(f"encoding / training:                     {max(cached, parallel) / training:8.1f}x  (target >= 10x)")
 
 

@@ -48,20 +48,26 @@ def main(args: argparse.Namespace) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"Iso-C orthogonalisation on {name}, fp32, median of {args.repeats}")
     tf32 = device == "cuda"
-    print(f"{'shape':>11} {'spectrum':>9} {'svd s':>8} {'NS s':>8} {'speed-up':>8} {'err inner':>10} {'err rms':>8}"
-          + (f" {'NS tf32 s':>9} {'speed-up':>8} {'err tf32':>9}" if tf32 else ""))  # fmt: skip
+    print(
+        f"{'shape':>11} {'spectrum':>9} {'svd s':>8} {'NS s':>8} {'speed-up':>8} {'err inner':>10} {'err rms':>8}"
+        + (f" {'NS tf32 s':>9} {'speed-up':>8} {'err tf32':>9}" if tf32 else "")
+    )
     for m, n in SHAPES:
         for spectrum in SPECTRA:
             matrix = spectrum_matrix(m, n, spectrum, device)
-            svd_s, exact = timed(lambda: iso(matrix, "svd"), device, args.repeats)
-            ns_s, fast = timed(lambda: iso(matrix, "newton_schulz", "inner"), device, args.repeats)
+            svd_s, exact = timed(lambda matrix=matrix: iso(matrix, "svd"), device, args.repeats)
+            ns_s, fast = timed(lambda matrix=matrix: iso(matrix, "newton_schulz", "inner"), device, args.repeats)
             rms = iso(matrix, "newton_schulz", "rms")
             err = float((fast - exact).norm() / exact.norm())
             err_rms = float((rms - exact).norm() / exact.norm())
-            line = f"{m:>5}x{n:<5} {spectrum:>9} {svd_s:8.3f} {ns_s:8.3f} {svd_s / ns_s:7.1f}x {err:10.2e} {err_rms:8.3f}"
+            line = (
+                f"{m:>5}x{n:<5} {spectrum:>9} {svd_s:8.3f} {ns_s:8.3f} {svd_s / ns_s:7.1f}x {err:10.2e} {err_rms:8.3f}"
+            )
             if tf32:
                 torch.backends.cuda.matmul.allow_tf32 = True
-                tf32_s, approx = timed(lambda: iso(matrix, "newton_schulz", "inner"), device, args.repeats)
+                tf32_s, approx = timed(
+                    lambda matrix=matrix: iso(matrix, "newton_schulz", "inner"), device, args.repeats
+                )
                 torch.backends.cuda.matmul.allow_tf32 = False
                 line += f" {tf32_s:9.4f} {svd_s / tf32_s:7.1f}x {float((approx - exact).norm() / exact.norm()):9.2e}"
             print(line)

@@ -37,9 +37,13 @@ def checkpoint_shapes(size_mb: int) -> dict[str, tuple[int, ...]]:
     layer, total = 0, VOCAB * HIDDEN * 2
     while total < size_mb * 1e6:
         prefix = f"model.layers.{layer}"
-        for name, shape in (("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                            ("mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)), ("mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
-                            ("input_layernorm.weight", (HIDDEN,))):  # fmt: skip
+        for name, shape in (
+            ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+            ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+            ("mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+            ("mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
+            ("input_layernorm.weight", (HIDDEN,)),
+        ):
             shapes[f"{prefix}.{name}"] = shape
             total += torch.Size(shape).numel() * 2
         layer += 1
@@ -55,7 +59,9 @@ def generate(folder: Path, k: int, size_mb: int) -> tuple[Path, list[Path]]:
         path = folder / ("base" if i == 0 else f"m{i}")
         path.mkdir()
         if tensors is None:
-            tensors = {n: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) for n, t in base.items()}
+            tensors = {
+                n: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) for n, t in base.items()
+            }
         save_file(tensors, str(path / "model.safetensors"))
         paths.append(path)
     return paths[0], paths[1:]
@@ -102,8 +108,9 @@ def _measured(queue, work) -> None:
 
 
 def _run_method(queue, method: str, base: Path, models: list[Path], out: Path, device: str) -> None:
-    spec = MergeSpec(base_model=str(base), models=[{"path": str(p)} for p in models], method=method,
-                     out_path=str(out), device=device)  # fmt: skip
+    spec = MergeSpec(
+        base_model=str(base), models=[{"path": str(p)} for p in models], method=method, out_path=str(out), device=device
+    )
     _measured(queue, lambda: merge_checkpoints(spec, progress=False).total_seconds)
 
 
@@ -125,9 +132,13 @@ def main(args: argparse.Namespace) -> None:
     methods = args.methods.split(",") if args.methods else list(DEFAULT_METHODS)
     root = Path(tempfile.mkdtemp(prefix="merit-bench-merge-", dir=args.workdir))
     largest = max(torch.Size(s).numel() for s in checkpoint_shapes(args.size_mb).values()) * 4 / 1e9
-    print(f"checkpoints of {args.size_mb} MB (bf16), device {args.device}, torch threads {torch.get_num_threads()}, "
-          f"largest tensor {largest:.3f} GB in fp32")  # fmt: skip
-    print(f"{'K':>2}  {'method':<18} {'seconds':>8} {'GB/s read':>10} {'% floor':>8} {'peak RSS GB':>12} {'anon GB':>8}")
+    print(
+        f"checkpoints of {args.size_mb} MB (bf16), device {args.device}, torch threads {torch.get_num_threads()}, "
+        f"largest tensor {largest:.3f} GB in fp32"
+    )
+    print(
+        f"{'K':>2}  {'method':<18} {'seconds':>8} {'GB/s read':>10} {'% floor':>8} {'peak RSS GB':>12} {'anon GB':>8}"
+    )
     try:
         for k in args.k:
             folder = root / f"k{k}"
@@ -135,11 +146,18 @@ def main(args: argparse.Namespace) -> None:
             base, models = generate(folder, k, args.size_mb)
             read_gb = sum(p.joinpath("model.safetensors").stat().st_size for p in models) / 1e9
             floor, rss, anon = run_in_process(_floor_process, models)
-            print(f"{k:>2}  {'floor (read+add)':<18} {floor:8.2f} {read_gb / floor:10.2f} {100:8.0f} {rss / 1e9:12.2f} {anon / 1e9:8.2f}")
+            print(
+                f"{k:>2}  {'floor (read+add)':<18} {floor:8.2f} {read_gb / floor:10.2f} {100:8.0f} "
+                f"{rss / 1e9:12.2f} {anon / 1e9:8.2f}"
+            )
             for method in methods:
-                seconds, rss, anon = run_in_process(_run_method, method, base, models, folder / f"out-{method}", args.device)
-                print(f"{k:>2}  {method:<18} {seconds:8.2f} {read_gb / seconds:10.2f} {100 * floor / seconds:8.0f} "
-                      f"{rss / 1e9:12.2f} {anon / 1e9:8.2f}")  # fmt: skip
+                seconds, rss, anon = run_in_process(
+                    _run_method, method, base, models, folder / f"out-{method}", args.device
+                )
+                print(
+                    f"{k:>2}  {method:<18} {seconds:8.2f} {read_gb / seconds:10.2f} {100 * floor / seconds:8.0f} "
+                    f"{rss / 1e9:12.2f} {anon / 1e9:8.2f}"
+                )
                 shutil.rmtree(folder / f"out-{method}")
             shutil.rmtree(folder)
     finally:

@@ -19,14 +19,20 @@ import time
 from pathlib import Path
 
 import torch
-
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.cli import resolve_run
 from pipeline.data import active_sources, load_split, prepare_data, read_manifest
 from pipeline.layout import base_path
-from pipeline.models import build_tiny_processor, count_parameters, init_model, load_model, load_processor, processor_for
+from pipeline.models import (
+    build_tiny_processor,
+    count_parameters,
+    init_model,
+    load_model,
+    load_processor,
+    processor_for,
+)
 from pipeline.models.loading import DTYPES
 from pipeline.models.tiny import tiny_config
 from pipeline.train import BranchSpec, train_branch
@@ -69,13 +75,32 @@ def trainer_rate_from(out: Path) -> float:
 
 # Shapes for model.tiny: Qwen2.5-VL-3B's widths, and a small one for a CPU check of that path.
 SIZES = {
-    "3b": {"hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36, "num_heads": 16, "num_kv_heads": 2,
-           "vision_depth": 32, "vision_hidden_size": 1280, "vision_intermediate_size": 3420, "vision_heads": 16,
-           "vision_window": 112, "embedding_rows": 151936},
-    "small": {"hidden_size": 256, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-              "vision_depth": 8, "vision_hidden_size": 64, "vision_intermediate_size": 128, "vision_heads": 2,
-              "vision_window": 112},
-}  # fmt: skip
+    "3b": {
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_layers": 36,
+        "num_heads": 16,
+        "num_kv_heads": 2,
+        "vision_depth": 32,
+        "vision_hidden_size": 1280,
+        "vision_intermediate_size": 3420,
+        "vision_heads": 16,
+        "vision_window": 112,
+        "embedding_rows": 151936,
+    },
+    "small": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "vision_depth": 8,
+        "vision_hidden_size": 64,
+        "vision_intermediate_size": 128,
+        "vision_heads": 2,
+        "vision_window": 112,
+    },
+}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -94,17 +119,26 @@ def main(args: argparse.Namespace) -> None:
         def branch(name: str, processes: int) -> BranchSpec:
             config = cfg.model_copy(deep=True)
             config.train.processes = processes
-            return BranchSpec(name=name, run_dir=str(run_dir), init=base_path(cfg, run_dir), sources=sources,
-                              out_dir=f"{tmp}/{name}", config=config)  # fmt: skip
+            return BranchSpec(
+                name=name,
+                run_dir=str(run_dir),
+                init=base_path(cfg, run_dir),
+                sources=sources,
+                out_dir=f"{tmp}/{name}",
+                config=config,
+            )
 
         plain = plain_loop(branch("plain", 1))
         one = trainer_rate(branch("trainer-1", 1))
         two = trainer_rate(branch("trainer-2", 2))
     t = cfg.train
-    print(f"{len(sources)} sources, micro batch {t.micro_batch} x accumulation {t.grad_accum}, {t.steps} steps, "
-          f"{Path(t.deepspeed).stem}, median tokens/s after {WARMUP_STEPS} steps")  # fmt: skip
+    print(
+        f"{len(sources)} sources, micro batch {t.micro_batch} x accumulation {t.grad_accum}, {t.steps} steps, "
+        f"{Path(t.deepspeed).stem}, median tokens/s after {WARMUP_STEPS} steps"
+    )
     print(f"plain PyTorch loop, 1 process:   {plain:10.0f} tokens/s")
-    print(f"branch trainer, 1 rank:          {one:10.0f} tokens/s  (overhead {100 * (plain / one - 1):5.1f} %, target <= 15 %)")
+    overhead = 100 * (plain / one - 1)
+    print(f"branch trainer, 1 rank:          {one:10.0f} tokens/s  (overhead {overhead:5.1f} %, target <= 15 %)")
     print(f"branch trainer, 2 ranks (gloo):  {two:10.0f} tokens/s  ({two / one:.2f}x one rank; global batch doubles)")
 
 
@@ -112,21 +146,39 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     """One branch of a random Qwen2.5-VL at a real width on one device: tokens/s and MFU."""
     cuda = args.device == "cuda"
     args.overrides = [
-        *args.overrides, *(f"model.tiny.{k}={v}" for k, v in SIZES[size].items()),
-        f"model.dtype={'bfloat16' if cuda else 'float32'}", "model.min_pixels=200704", "model.max_pixels=200704",
-        "data.builtin.image_size=448", "data.builtin.examples_per_source=64", f"train.steps={args.steps}",
-        f"train.micro_batch={args.micro_batch}", "train.deepspeed=configs/deepspeed/zero2.json", "train.processes=1",
-        f"train.checkpoint_every={10**9}", "train.warmup_ratio=0.1",
-    ]  # fmt: skip
+        *args.overrides,
+        *(f"model.tiny.{k}={v}" for k, v in SIZES[size].items()),
+        f"model.dtype={'bfloat16' if cuda else 'float32'}",
+        "model.min_pixels=200704",
+        "model.max_pixels=200704",
+        "data.builtin.image_size=448",
+        "data.builtin.examples_per_source=64",
+        f"train.steps={args.steps}",
+        f"train.micro_batch={args.micro_batch}",
+        "train.deepspeed=configs/deepspeed/zero2.json",
+        "train.processes=1",
+        f"train.checkpoint_every={10**9}",
+        "train.warmup_ratio=0.1",
+    ]
     cfg, run_dir = resolve_run(args)
     processor = build_tiny_processor(cfg.model, cfg.run.seed)
     start = time.perf_counter()
     with torch.device("cuda" if cuda else "cpu"):
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(cfg.model.tiny, processor.tokenizer)).to(DTYPES[cfg.model.dtype])
+        model = Qwen2_5_VLForConditionalGeneration(tiny_config(cfg.model.tiny, processor.tokenizer)).to(
+            DTYPES[cfg.model.dtype]
+        )
     n_vision = sum(p.numel() for p in model.model.visual.parameters())
     n_total = count_parameters(model)["total"]
-    save_pretrained_checkpoint(Path(run_dir) / "init", model, processor, step=0, tokens_seen=0, parent=None,
-                               config_digest=cfg.digest("model", "run"), parameters=count_parameters(model))  # fmt: skip
+    save_pretrained_checkpoint(
+        Path(run_dir) / "init",
+        model,
+        processor,
+        step=0,
+        tokens_seen=0,
+        parent=None,
+        config_digest=cfg.digest("model", "run"),
+        parameters=count_parameters(model),
+    )
     del model
     built = time.perf_counter() - start
     prepare_data(cfg, run_dir, processor)
@@ -136,19 +188,32 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     image_share = float((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).float().mean())
     out = Path(run_dir) / "branches" / "bench"
     shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped: measure afresh
-    spec = BranchSpec(name="bench", run_dir=str(run_dir), init=str(Path(run_dir) / "init"), sources=sources,
-                      out_dir=str(out), config=cfg)  # fmt: skip
+    spec = BranchSpec(
+        name="bench",
+        run_dir=str(run_dir),
+        init=str(Path(run_dir) / "init"),
+        sources=sources,
+        out_dir=str(out),
+        config=cfg,
+    )
     start = time.perf_counter()
     train_branch(spec, echo=False)
     trained = time.perf_counter() - start
     rate = trainer_rate_from(out)
     flops_per_token = 6 * ((n_total - n_vision) + 4 * image_share * n_vision)
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"Qwen2.5-VL at the {size} widths: {n_total / 1e6:,.1f} M parameters ({n_vision / 1e6:,.1f} M vision), "
-          f"{cfg.model.dtype}, ZeRO-2, 1 {device}")  # fmt: skip
-    print(f"micro batch {cfg.train.micro_batch}, {args.steps} steps, image tokens {100 * image_share:.0f} % of the input; "
-          f"model built and saved in {built:.0f} s, branch trained in {trained:.0f} s")  # fmt: skip
+    print(
+        f"Qwen2.5-VL at the {size} widths: {n_total / 1e6:,.1f} M parameters ({n_vision / 1e6:,.1f} M vision), "
+        f"{cfg.model.dtype}, ZeRO-2, 1 {device}"
+    )
+    print(
+        f"micro batch {cfg.train.micro_batch}, {args.steps} steps, "
+        f"image tokens {100 * image_share:.0f} % of the input; "
+        f"model built and saved in {built:.0f} s, branch trained in {trained:.0f} s"
+    )
     print(f"tokens/s (median after {WARMUP_STEPS} steps): {rate:,.0f}")
     if args.peak_tflops:
-        print(f"model FLOPs utilisation: {100 * flops_per_token * rate / (args.peak_tflops * 1e12):.1f} % "
-              f"of {args.peak_tflops:.0f} TFLOP/s")  # fmt: skip
+        print(
+            f"model FLOPs utilisation: {100 * flops_per_token * rate / (args.peak_tflops * 1e12):.1f} % "
+            f"of {args.peak_tflops:.0f} TFLOP/s"
+        )

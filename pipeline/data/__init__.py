@@ -6,6 +6,17 @@ from pipeline.data.prepare import active_sources, load_split, prepare_data, read
 from pipeline.data.sources import LoadedSources, load_sources
 
 __all__ = [
-    "IGNORE_INDEX", "Collator", "DataError", "Encoded", "EncodedDataset", "Encoder", "Example",
-    "LoadedSources", "active_sources", "load_sources", "load_split", "prepare_data", "read_manifest",
-]  # fmt: skip
+    "IGNORE_INDEX",
+    "Collator",
+    "DataError",
+    "Encoded",
+    "EncodedDataset",
+    "Encoder",
+    "Example",
+    "LoadedSources",
+    "active_sources",
+    "load_sources",
+    "load_split",
+    "prepare_data",
+    "read_manifest",
+]

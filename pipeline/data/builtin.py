@@ -26,16 +26,65 @@ from pipeline.config import BuiltinSection
 from pipeline.data.example import Example
 
 COLOURS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
-    "orange": (240, 140, 30), "yellow": (235, 215, 40), "purple": (140, 60, 190),
-}  # fmt: skip
-COMPLEMENT = {"red": "green", "green": "red", "blue": "orange", "orange": "blue", "yellow": "purple", "purple": "yellow"}
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "orange": (240, 140, 30),
+    "yellow": (235, 215, 40),
+    "purple": (140, 60, 190),
+}
+COMPLEMENT = {
+    "red": "green",
+    "green": "red",
+    "blue": "orange",
+    "orange": "blue",
+    "yellow": "purple",
+    "purple": "yellow",
+}
 SHAPES = ("circle", "square", "triangle")
-NUMBER_WORDS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen"
-).split()
-WORDS = "cat dog sun tree book fish star moon bird cake door lamp rain ship milk frog kite rose bell coin".split()
+NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+]
+WORDS = [
+    "cat",
+    "dog",
+    "sun",
+    "tree",
+    "book",
+    "fish",
+    "star",
+    "moon",
+    "bird",
+    "cake",
+    "door",
+    "lamp",
+    "rain",
+    "ship",
+    "milk",
+    "frog",
+    "kite",
+    "rose",
+    "bell",
+    "coin",
+]
 
 
 @dataclass(frozen=True)
@@ -82,7 +131,9 @@ def _font(size: int) -> ImageFont.ImageFont:
 Draw = tuple[Scene | None, str, dict[str, Any]]
 
 
-def _one_shape(rng: random.Random, cx: float | None = None, cy: float | None = None, radius: float | None = None) -> Shape:
+def _one_shape(
+    rng: random.Random, cx: float | None = None, cy: float | None = None, radius: float | None = None
+) -> Shape:
     return Shape(
         kind=rng.choice(SHAPES),
         colour=rng.choice(sorted(COLOURS)),
@@ -171,13 +222,23 @@ def _upper(rng: random.Random, size: int) -> Draw:
 
 
 FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
-    "colour": _colour, "shape": _shape, "count": _count, "side": _side,
-    "colour_check": _colour_check, "vertical": _vertical, "read_word": _read_word,
-    "caption": _caption, "bigger": _bigger,
-    "add": _add, "subtract": _subtract, "reverse": _reverse, "upper": _upper,
-}  # fmt: skip
+    "colour": _colour,
+    "shape": _shape,
+    "count": _count,
+    "side": _side,
+    "colour_check": _colour_check,
+    "vertical": _vertical,
+    "read_word": _read_word,
+    "caption": _caption,
+    "bigger": _bigger,
+    "add": _add,
+    "subtract": _subtract,
+    "reverse": _reverse,
+    "upper": _upper,
+}
 
 _OTHER_SIDE = {"left": "right", "right": "left"}
+
 
 def _sentence(answer: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
     return lambda facts: f"The answer is {answer(facts)}."
@@ -235,8 +296,7 @@ def generate(tasks: list[str] | None, cfg: BuiltinSection, seed: int) -> dict[st
     if unknown:
         raise ValueError(f"unknown built-in tasks {unknown}; known: {sorted(SOURCES)}")
     return {
-        name: [make_example(name, i, seed, cfg.image_size) for i in range(cfg.examples_per_source)]
-        for name in names
+        name: [make_example(name, i, seed, cfg.image_size) for i in range(cfg.examples_per_source)] for name in names
     }
 
 

@@ -7,6 +7,7 @@ position is -100 (system prompt, user turns, image tokens, padding).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,9 @@ class Encoder:
         texts = [self.processor.apply_chat_template(m, tokenize=False) for m in messages]
         images = [process_vision_info(m)[0] or [] for m in messages]
         try:
-            batch = self.processor(text=texts, images=sum(images, []) or None, padding=True, return_tensors="pt")
+            batch = self.processor(
+                text=texts, images=list(itertools.chain(*images)) or None, padding=True, return_tensors="pt"
+            )
         except (ValueError, OSError) as err:
             if len(examples) == 1:
                 raise examples[0].error(f"cannot encode: {err}") from err
@@ -89,7 +92,7 @@ class Encoder:
         # Truncation drops whole images, so the images kept are the first <|vision_start|> many.
         kept = [int((ids == self.vision_start).sum()) for ids in rows]
         images = [(process_vision_info(self._with_images(ex))[0] or [])[:k] for ex, k in zip(examples, kept)]
-        flat = sum(images, [])
+        flat = list(itertools.chain(*images))
         vision = self.processor.image_processor(flat, return_tensors="pt") if flat else {}
         out = self._assemble(rows, kept, vision.get("pixel_values"), vision.get("image_grid_thw"))
         for ex, enc in zip(examples, out):
@@ -98,8 +101,13 @@ class Encoder:
                 raise ex.error("cached token ids do not match the images; re-run `merit prepare --force`")
         return out
 
-    def _assemble(self, rows: list[torch.Tensor], n_images: list[int], pixel_values: torch.Tensor | None,
-                  grids: torch.Tensor | None) -> list[Encoded]:  # fmt: skip
+    def _assemble(
+        self,
+        rows: list[torch.Tensor],
+        n_images: list[int],
+        pixel_values: torch.Tensor | None,
+        grids: torch.Tensor | None,
+    ) -> list[Encoded]:
         """Per-example :class:`Encoded` from token rows and the batch's concatenated images."""
         patches = grids.prod(-1).tolist() if grids is not None else []
         out, first_image, first_patch = [], 0, 0
@@ -142,7 +150,11 @@ class Encoder:
         after_role = 1 + len(self.role)
         for start in (input_ids == self.im_start).nonzero().flatten().tolist():
             header_end = start + after_role
-            if ids[start + 1 : header_end] != self.role or header_end >= len(ids) or not self._is_line_break(ids[header_end]):
+            if (
+                ids[start + 1 : header_end] != self.role
+                or header_end >= len(ids)
+                or not self._is_line_break(ids[header_end])
+            ):
                 continue
             first = header_end + 1
             end = first

@@ -7,13 +7,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
 # An image is a file path, an already decoded PIL image (datasets on disk), or a zero-argument
 # callable that renders one (the built-in corpus draws its images only when they are encoded).
-ImageRef = Union[Path, Image.Image, Callable[[], Image.Image]]
+ImageRef = Path | Image.Image | Callable[[], Image.Image]
 
 ROLES = ("system", "user", "assistant")
 
@@ -59,7 +59,9 @@ class Example:
     def fingerprint(self) -> int:
         """A 64-bit hash of the conversation and its image references (paths, or the drawing
         of a built-in scene; decoded images count by position only)."""
-        refs = [str(ref) if isinstance(ref, (Path, str)) else repr(ref) if callable(ref) else "image" for ref in self.images]
+        refs = [
+            str(ref) if isinstance(ref, (Path, str)) else repr(ref) if callable(ref) else "image" for ref in self.images
+        ]
         text = json.dumps([self.messages, refs], sort_keys=True)
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 

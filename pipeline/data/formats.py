@@ -20,10 +20,13 @@ from pipeline.data.example import DataError, Example, ImageRef
 
 IMAGE_TAG = "<image>"
 ROLE_ALIASES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
     "system": "system",
-}  # fmt: skip
+}
 
 
 def read_json_records(path: Path) -> list[Any]:
@@ -59,7 +62,9 @@ def read_hf_disk_records(path: Path) -> Iterable[Any]:
     except (FileNotFoundError, ValueError) as err:
         raise DataError(str(path), None, f"not a dataset saved with save_to_disk: {err}") from err
     if isinstance(dataset, datasets.DatasetDict):
-        raise DataError(str(path), None, f"a DatasetDict with splits {sorted(dataset)}: point path at one split's folder")
+        raise DataError(
+            str(path), None, f"a DatasetDict with splits {sorted(dataset)}: point path at one split's folder"
+        )
     return dataset
 
 

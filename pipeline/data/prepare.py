@@ -74,10 +74,18 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: boo
     return manifest
 
 
-def _encode_source(examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path) -> dict[str, int]:
+def _encode_source(
+    examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path
+) -> dict[str, int]:
     """Encode one source in batches: count its tokens and cache its token ids."""
-    counts = dict.fromkeys(("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0)
-    encoded = (enc for i in range(0, len(examples), ENCODE_BATCH) for enc in encoder.encode_batch(examples[i : i + ENCODE_BATCH]))
+    counts = dict.fromkeys(
+        ("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0
+    )
+    encoded = (
+        enc
+        for i in range(0, len(examples), ENCODE_BATCH)
+        for enc in encoder.encode_batch(examples[i : i + ENCODE_BATCH])
+    )
     ids = []
     for position, enc in enumerate(encoded):
         ids.append(enc.input_ids.to(torch.int32))  # kept with each example's fingerprint
@@ -97,7 +105,11 @@ def _save_token_ids(ids: list[torch.Tensor], fingerprints: list[int], path: Path
     offsets = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0).tolist()], dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {"input_ids": torch.cat(ids), "offsets": offsets, "fingerprints": torch.tensor(fingerprints, dtype=torch.int64)}
+    tensors = {
+        "input_ids": torch.cat(ids),
+        "offsets": offsets,
+        "fingerprints": torch.tensor(fingerprints, dtype=torch.int64),
+    }
     save_file(tensors, str(tmp))
     tmp.replace(path)
 
@@ -108,11 +120,17 @@ def _attach_token_ids(examples: list[Example], path: Path, source: str) -> None:
     bounds = tensors["offsets"].tolist()
     fingerprints = tensors["fingerprints"].tolist()
     if len(fingerprints) != len(examples):
-        raise DataError(str(path), None, f"source '{source}': {len(examples)} examples but {len(fingerprints)} cached; "
-                        "re-run `merit prepare --force`")  # fmt: skip
+        raise DataError(
+            str(path),
+            None,
+            f"source '{source}': {len(examples)} examples but {len(fingerprints)} cached; "
+            "re-run `merit prepare --force`",
+        )
     for i, example in enumerate(examples):
         if example.fingerprint() != fingerprints[i]:
-            raise example.error("changed since `merit prepare` (its cached token ids are stale); re-run `merit prepare --force`")
+            raise example.error(
+                "changed since `merit prepare` (its cached token ids are stale); re-run `merit prepare --force`"
+            )
         example.token_ids = tensors["input_ids"][bounds[i] : bounds[i + 1]]
 
 
@@ -127,7 +145,9 @@ def active_sources(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: info for name, info in manifest["sources"].items() if not info.get("dropped")}
 
 
-def load_split(cfg: RunConfig, run_dir: str | Path, split: str, sources: list[str] | None = None) -> dict[str, list[Example]]:
+def load_split(
+    cfg: RunConfig, run_dir: str | Path, split: str, sources: list[str] | None = None
+) -> dict[str, list[Example]]:
     """The ``train`` or ``heldout`` examples of each (or the named) source, as prepared, with
     their cached token ids attached."""
     manifest = read_manifest(run_dir)

@@ -25,7 +25,9 @@ from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
 
 
-def evaluate_model(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: str, force: bool = False) -> dict[str, Any]:
+def evaluate_model(
+    cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: str, force: bool = False
+) -> dict[str, Any]:
     """Write ``run_dir/eval/<name>.json`` (per-source and overall loss and token accuracy) and
     return it; an up-to-date result is returned without loading the model."""
     run_dir = Path(run_dir)
@@ -48,7 +50,10 @@ def evaluate_model(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: s
     encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
     size = cfg.eval.batch_size
     sources = {}
-    with torch.no_grad(), tqdm(total=sum(map(len, heldout.values())), desc=f"eval {name}", unit="ex", leave=False) as bar:
+    with (
+        torch.no_grad(),
+        tqdm(total=sum(map(len, heldout.values())), desc=f"eval {name}", unit="ex", leave=False) as bar,
+    ):
         for src, items in heldout.items():
             nll, correct, tokens = 0.0, 0, 0
             for i in range(0, len(items), size):
@@ -57,8 +62,15 @@ def evaluate_model(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: s
                 nll, correct, tokens = nll + b_nll, correct + b_correct, tokens + b_tokens
                 bar.update(len(batch))
             if tokens == 0:
-                raise ValueError(f"source '{src}': no supervised tokens in its held-out examples (cut by data.max_length?)")
-            sources[src] = {"loss": nll / tokens, "token_accuracy": correct / tokens, "tokens": tokens, "examples": len(items)}
+                raise ValueError(
+                    f"source '{src}': no supervised tokens in its held-out examples (cut by data.max_length?)"
+                )
+            sources[src] = {
+                "loss": nll / tokens,
+                "token_accuracy": correct / tokens,
+                "tokens": tokens,
+                "examples": len(items),
+            }
     total = sum(s["tokens"] for s in sources.values())
     result = {
         "model": name,

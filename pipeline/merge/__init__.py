@@ -9,7 +9,20 @@ from pipeline.merge.rules import QWEN2_5_VL_GROUPS, Rule, choose
 from pipeline.merge.spec import MergeSpec, MergeSpecError, ModelEntry
 
 __all__ = [
-    "METHODS", "QWEN2_5_VL_GROUPS", "CheckpointReader", "MergeInputError", "MergeMethod", "MergeReport",
-    "MergeSpec", "MergeSpecError", "ModelEntry", "Rule", "TensorContext", "choose", "get_method", "merge_checkpoints",
-    "merge_state_dicts", "merge_tensor",
-]  # fmt: skip
+    "METHODS",
+    "QWEN2_5_VL_GROUPS",
+    "CheckpointReader",
+    "MergeInputError",
+    "MergeMethod",
+    "MergeReport",
+    "MergeSpec",
+    "MergeSpecError",
+    "ModelEntry",
+    "Rule",
+    "TensorContext",
+    "choose",
+    "get_method",
+    "merge_checkpoints",
+    "merge_state_dicts",
+    "merge_tensor",
+]

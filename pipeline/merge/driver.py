@@ -57,10 +57,19 @@ class _Timer:
         return tensor
 
 
-def merge_tensor(method: MergeMethod, params: MethodParams, ctx: TensorContext, base: Loader | None,
-                 inputs: Sequence[Loader], labels: Sequence[str], weights: torch.Tensor, device: str = "cpu",
-                 load: Callable[[Loader], torch.Tensor] = lambda f: f(), base_label: str = "base model",
-                 workspace: Workspace | None = None) -> torch.Tensor:  # fmt: skip
+def merge_tensor(
+    method: MergeMethod,
+    params: MethodParams,
+    ctx: TensorContext,
+    base: Loader | None,
+    inputs: Sequence[Loader],
+    labels: Sequence[str],
+    weights: torch.Tensor,
+    device: str = "cpu",
+    load: Callable[[Loader], torch.Tensor] = lambda f: f(),
+    base_label: str = "base model",
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Merge one tensor. With ``base`` (θ0's loader) the inputs are models θ_k and the result is
     θ; with ``base=None`` the inputs are already task vectors / pseudo-gradients and so is the
     result. θ0 is read only when the method needs it (never for the weighted average)."""
@@ -116,9 +125,14 @@ def _raise_non_finite(name: str, tensors, labels: Sequence[str]) -> None:
     raise MergeInputError(f"tensor {name}: the merged values overflow float32")
 
 
-def merge_state_dicts(models: Sequence[dict[str, torch.Tensor]], weights: Sequence[float] | torch.Tensor,
-                      rules: list[Rule], base: dict[str, torch.Tensor] | None = None, seed: int = 0,
-                      device: str = "cpu") -> dict[str, torch.Tensor]:  # fmt: skip
+def merge_state_dicts(
+    models: Sequence[dict[str, torch.Tensor]],
+    weights: Sequence[float] | torch.Tensor,
+    rules: list[Rule],
+    base: dict[str, torch.Tensor] | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
     """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
     pseudo-gradients and the result is their merged update: nothing is written to disk."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
@@ -128,7 +142,10 @@ def merge_state_dicts(models: Sequence[dict[str, torch.Tensor]], weights: Sequen
         raise ValueError(f"weights must be non-negative and sum to a positive number, got {weights.tolist()}")
     weights = (weights / weights.sum()).float()
     labels = [f"input {k}" for k in range(len(models))]
-    dicts, dict_labels = [*models, *([base] if base is not None else [])], [*labels, *(["base"] if base is not None else [])]
+    dicts, dict_labels = (
+        [*models, *([base] if base is not None else [])],
+        [*labels, *(["base"] if base is not None else [])],
+    )
     _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
     workspace, out = Workspace(), {}
     for name, first in models[0].items():
@@ -139,9 +156,17 @@ def merge_state_dicts(models: Sequence[dict[str, torch.Tensor]], weights: Sequen
         if method.needs_fisher:
             raise ValueError("the fisher method needs Fisher files: use merge_checkpoints")
         out[name] = merge_tensor(
-            method, params, TensorContext(name, seed), None if base is None else (lambda: base[name]),
-            [lambda m=m: m[name] for m in models], labels, weights, device, base_label="base", workspace=workspace,
-        )  # fmt: skip
+            method,
+            params,
+            TensorContext(name, seed),
+            None if base is None else (lambda name=name: base[name]),
+            [lambda m=m, name=name: m[name] for m in models],
+            labels,
+            weights,
+            device,
+            base_label="base",
+            workspace=workspace,
+        )
     return out
 
 
@@ -150,7 +175,9 @@ def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence
     for info, label in zip(infos[1:], labels[1:]):
         missing, extra = sorted(set(reference) - set(info)), sorted(set(info) - set(reference))
         if missing or extra:
-            raise MergeInputError(f"{label}: tensor names differ from {ref_label}: missing {missing[:5]}, extra {extra[:5]}")
+            raise MergeInputError(
+                f"{label}: tensor names differ from {ref_label}: missing {missing[:5]}, extra {extra[:5]}"
+            )
         for name, ref in reference.items():
             if info[name] != ref:
                 raise MergeInputError(
@@ -175,8 +202,15 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
         copy_aux_files(run.reference.aux_files(), tmp)
         report.tensors, report.bytes_written = len(run.plan), writer.bytes_written
         report.total_seconds = time.perf_counter() - start
-        write_manifest(tmp, writer.sha256, kind="merge", spec=spec.model_dump(mode="json"), report=report.summary(),
-                       parents=[str(r.path) for r in run.readers], **meta)  # fmt: skip
+        write_manifest(
+            tmp,
+            writer.sha256,
+            kind="merge",
+            spec=spec.model_dump(mode="json"),
+            report=report.summary(),
+            parents=[str(r.path) for r in run.readers],
+            **meta,
+        )
     report.total_seconds = time.perf_counter() - start
     return report
 
@@ -216,11 +250,18 @@ class _CheckpointMerge:
         else:
             fishers = _stack_fishers(self.fishers, name, self.timer) if method.needs_fisher else None
             merged = merge_tensor(
-                method, params, TensorContext(name, self.spec.seed, fishers),
+                method,
+                params,
+                TensorContext(name, self.spec.seed, fishers),
                 (lambda: self.base.get(name)) if self.base else None,
-                [lambda r=r: r.get(name) for r in self.models], self.labels, self.weights, self.spec.device,
-                self.timer.load, str(self.spec.base_model), self.workspace,
-            )  # fmt: skip
+                [lambda r=r: r.get(name) for r in self.models],
+                self.labels,
+                self.weights,
+                self.spec.device,
+                self.timer.load,
+                str(self.spec.base_model),
+                self.workspace,
+            )
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
 
@@ -241,4 +282,3 @@ def _check_fishers(fishers: list[CheckpointReader], info: dict[str, TensorInfo])
 
 def _stack_fishers(fishers: list[CheckpointReader] | None, name: str, timer: _Timer) -> torch.Tensor:
     return torch.stack([timer.load(lambda r=r: r.get(name)).float() for r in fishers])
-

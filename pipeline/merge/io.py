@@ -28,10 +28,17 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
@@ -60,7 +67,7 @@ class CheckpointReader:
         self.info: dict[str, TensorInfo] = {}
         for file in self.files:
             handle = self._open(file)
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name in self.location:
                     raise MergeInputError(f"{file}: tensor {name} also stored in {self.location[name]}")
                 view = handle.get_slice(name)
@@ -112,8 +119,11 @@ class CheckpointReader:
         processor, chat template, generation config), never weights or a manifest."""
         if self.path.is_file():
             return []
-        return sorted(p for p in self.path.iterdir() if p.is_file() and p.name != "manifest.json"
-                      and not p.name.endswith(WEIGHT_SUFFIXES))  # fmt: skip
+        return sorted(
+            p
+            for p in self.path.iterdir()
+            if p.is_file() and p.name != "manifest.json" and not p.name.endswith(WEIGHT_SUFFIXES)
+        )
 
 
 def plan_shards(tensors: dict[str, TensorInfo], max_shard_bytes: int) -> list[list[str]]:
@@ -137,7 +147,9 @@ class ShardedWriter:
     writes and hashing overlap the next tensor's merge; at most two tensors wait in the queue.
     """
 
-    def __init__(self, folder: Path, tensors: dict[str, TensorInfo], max_shard_bytes: int, metadata: dict | None = None):
+    def __init__(
+        self, folder: Path, tensors: dict[str, TensorInfo], max_shard_bytes: int, metadata: dict | None = None
+    ):
         self.folder, self.tensors = folder, tensors
         self.shards = plan_shards(tensors, max_shard_bytes)
         n = len(self.shards)
@@ -197,12 +209,16 @@ class ShardedWriter:
         header, offset = {"__metadata__": self.metadata}, 0
         for name in self.shards[index]:
             info = self.tensors[name]
-            header[name] = {"dtype": CODES[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+            header[name] = {
+                "dtype": CODES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + info.nbytes],
+            }
             offset += info.nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data start to 8 bytes
         prefix = struct.pack("<Q", len(encoded)) + encoded
-        file = open(self.folder / self.names[index], "wb")
+        file = open(self.folder / self.names[index], "wb")  # noqa: SIM115 (closed by _finish_shard)
         file.write(prefix)
         return file, hashlib.sha256(prefix)
 
@@ -230,7 +246,9 @@ class ShardedWriter:
         if len(self.shards) > 1:
             weight_map = {name: self.names[i] for i, shard in enumerate(self.shards) for name in shard}
             total = sum(info.nbytes for info in self.tensors.values())
-            (self.folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (self.folder / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         return self.names
 
 

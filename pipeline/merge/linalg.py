@@ -48,8 +48,9 @@ def polar(m: torch.Tensor, method: Orthogonaliser = "svd", schedule=DEFAULT_SCHE
     return newton_schulz(m, schedule)
 
 
-def iso(m: torch.Tensor, method: Orthogonaliser = "svd", scale: Literal["inner", "rms"] = "inner",
-        schedule=DEFAULT_SCHEDULE) -> torch.Tensor:  # fmt: skip
+def iso(
+    m: torch.Tensor, method: Orthogonaliser = "svd", scale: Literal["inner", "rms"] = "inner", schedule=DEFAULT_SCHEDULE
+) -> torch.Tensor:
     """mean(S) · U Vᵀ: the spectrum of ``m`` flattened to its mean (Iso-C's core)."""
     rank = min(m.shape)
     if method == "svd":

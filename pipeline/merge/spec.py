@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline.merge.registry import get_method
 from pipeline.merge.rules import Rule
 
+
 class MergeSpecError(ValueError):
     """A merge spec file that cannot be read or does not validate."""
 
@@ -71,7 +72,9 @@ class MergeSpec(BaseModel):
             raise ValueError("give either 'method' (with 'params') or 'rules'")
         if self.method is not None:
             get_method(self.method).validate(self.params)
-        if self.base_model is None and any(not get_method(m).is_linear or m == "task_arithmetic" for m in self.method_names):
+        if self.base_model is None and any(
+            not get_method(m).is_linear or m == "task_arithmetic" for m in self.method_names
+        ):
             raise ValueError(f"methods {self.method_names} need base_model (θ0)")
         if any(get_method(m).needs_fisher for m in self.method_names) and any(e.fisher is None for e in self.models):
             raise ValueError("the fisher method needs 'fisher' for every model")

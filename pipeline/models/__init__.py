@@ -5,6 +5,13 @@ from pipeline.models.loading import apply_freeze, count_parameters, load_model, 
 from pipeline.models.tiny import build_tiny_model, build_tiny_processor
 
 __all__ = [
-    "apply_freeze", "build_tiny_model", "build_tiny_processor", "count_parameters", "init_model",
-    "load_model", "load_processor", "parameter_groups", "processor_for",
-]  # fmt: skip
+    "apply_freeze",
+    "build_tiny_model",
+    "build_tiny_processor",
+    "count_parameters",
+    "init_model",
+    "load_model",
+    "load_processor",
+    "parameter_groups",
+    "processor_for",
+]

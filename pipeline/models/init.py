@@ -40,8 +40,9 @@ def init_model(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict
         if force or not (is_complete(path) and read_manifest(path).get("config_digest") == digest):
             model, processor = build_tiny_model(cfg.model, cfg.run.seed)
             params = count_parameters(model)
-            save_pretrained_checkpoint(path, model, processor, step=0, tokens_seen=0, parent=None,
-                                       config_digest=digest, parameters=params)
+            save_pretrained_checkpoint(
+                path, model, processor, step=0, tokens_seen=0, parent=None, config_digest=digest, parameters=params
+            )
         params = read_manifest(path)["parameters"]
     else:
         # Parameter counts from the config alone: a meta-device model allocates no memory.

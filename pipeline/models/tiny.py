@@ -23,9 +23,14 @@ from pipeline.data.builtin import corpus_text
 from pipeline.models.loading import pixel_bounds
 
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 CHAT_TEMPLATE = (Path(__file__).parent / "qwen2_5_vl_chat_template.jinja").read_text()
 # Text the template itself emits, so that role names and the system prompt tokenize compactly.
 TEMPLATE_TEXT = "system\nYou are a helpful assistant.\nuser\nassistant\n"

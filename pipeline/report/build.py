@@ -29,8 +29,11 @@ from pipeline.train.spec import BranchSpec
 KINDS = ("theta0", "branch", "joint", "merged")  # the models' fixed order; a model's kind is its name prefix
 MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
 TARGET_SHARE_PCT = 5.0  # ours
-PLOT_FILES = {"heldout_loss.png": "held-out loss", "per_source.png": "per-source loss against θ0",
-              "training_curves.png": "training curves"}  # the report's own PNGs and their alt texts
+PLOT_FILES = {
+    "heldout_loss.png": "held-out loss",
+    "per_source.png": "per-source loss against θ0",
+    "training_curves.png": "training curves",
+}  # the report's own PNGs and their alt texts
 
 
 def build_report(run_dir: str | Path) -> dict[str, Any]:
@@ -45,7 +48,13 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     branches = [b for name, kind, folder in trained if (b := _branch(run_dir, name, kind, folder, metrics[name]))]
     summary = _read_json(run_dir / CALIBRATION / "summary.json")
     split = _pick(summary, "groups", "tokens", "explained_variance") | _pick(
-        _read_json(run_dir / CALIBRATION / "split.json"), "groups", "tokens", "r", "explained_variance", "method", "seed"
+        _read_json(run_dir / CALIBRATION / "split.json"),
+        "groups",
+        "tokens",
+        "r",
+        "explained_variance",
+        "method",
+        "seed",
     )
     sources = [s for s in active_sources(data) if any(s in m["sources"] for m in models)]
 
@@ -67,10 +76,14 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     report = {k: v for k, v in report.items() if v}
     # Branches and the joint baseline start where the warm-up ends (from θ0): plot them from there.
     start = {name: 0 if name == "warmup" else len(metrics.get("warmup", [])) for name in metrics}
-    curves = {name: ([start[name] + r["step"] for r in rs], [r["loss"] for r in rs]) for name, rs in metrics.items() if rs}
+    curves = {
+        name: ([start[name] + r["step"] for r in rs], [r["loss"] for r in rs]) for name, rs in metrics.items() if rs
+    }
     own = _write_plots(out, models, sources, curves)
     others = sorted(str(p.relative_to(run_dir)) for p in (run_dir / CALIBRATION).glob("*.png"))
-    others += [str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()]
+    others += [
+        str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()
+    ]
     report["plots"] = own + [f"../{p}" for p in others]  # relative to report/, as report.md links them
     report["tables"] = _tables(models, sources, branches, split)
 
@@ -131,9 +144,15 @@ def _models(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
         result = json.loads(path.read_text()) if path.is_file() else None
         if result is None or (checkpoint.exists() and result.get("checkpoint_id") != checkpoint_id(checkpoint)):
             continue
-        models.append({"name": path.stem, "kind": model_kind(path.stem), "checkpoint": result.get("checkpoint"),
-                       **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
-                       "sources": result.get("sources", {})})  # fmt: skip
+        models.append(
+            {
+                "name": path.stem,
+                "kind": model_kind(path.stem),
+                "checkpoint": result.get("checkpoint"),
+                **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
+                "sources": result.get("sources", {}),
+            }
+        )
     joint = next((m["loss"] for m in models if m["name"] == "joint"), None)
     if joint is not None:
         for m in models:
@@ -192,7 +211,9 @@ def _merges(cfg: RunConfig, run_dir: Path) -> dict[str, dict[str, Any]]:
     return merges
 
 
-def _costs(summary: dict[str, Any], branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _costs(
+    summary: dict[str, Any], branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     costs: dict[str, Any] = {}
     if "total_seconds" in summary:
         costs["calibration_seconds"] = summary["total_seconds"]
@@ -231,8 +252,9 @@ def _r(value: Any) -> Any:
     return round(value, 4) if isinstance(value, float) else value
 
 
-def _tables(models: list[dict[str, Any]], sources: list[str], branches: list[dict[str, Any]],
-            split: dict[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+def _tables(
+    models: list[dict[str, Any]], sources: list[str], branches: list[dict[str, Any]], split: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     tables = {}
     if models:
         joint = "delta_vs_joint" in models[0]
@@ -260,19 +282,32 @@ def _brief(sources: list[str], shown: int = 6) -> str:
     return ", ".join(sources[:shown]) + more
 
 
-def _write_plots(out: Path, models: list[dict[str, Any]], sources: list[str],
-                 curves: dict[str, tuple[list[int], list[float]]]) -> list[str]:  # fmt: skip
+def _write_plots(
+    out: Path, models: list[dict[str, Any]], sources: list[str], curves: dict[str, tuple[list[int], list[float]]]
+) -> list[str]:
     """The report's PNGs that have data; stale ones from an earlier build are removed."""
     written = []
     if models:
-        plot_heldout_loss([m["name"] for m in models], [m["kind"] for m in models], [m["loss"] for m in models],
-                          out / "heldout_loss.png")  # fmt: skip
+        plot_heldout_loss(
+            [m["name"] for m in models],
+            [m["kind"] for m in models],
+            [m["loss"] for m in models],
+            out / "heldout_loss.png",
+        )
         written.append("heldout_loss.png")
     theta0 = next((m for m in models if m["name"] == "theta0"), None)
     others = [m for m in models if m is not theta0]
     if theta0 and others and sources:
-        delta = np.array([[m["sources"].get(s, {}).get("loss", np.nan) - theta0["sources"].get(s, {}).get("loss", np.nan)
-                           for s in sources] for m in others], dtype=float)  # fmt: skip
+        delta = np.array(
+            [
+                [
+                    m["sources"].get(s, {}).get("loss", np.nan) - theta0["sources"].get(s, {}).get("loss", np.nan)
+                    for s in sources
+                ]
+                for m in others
+            ],
+            dtype=float,
+        )
         plot_per_source([m["name"] for m in others], sources, delta, out / "per_source.png")
         written.append("per_source.png")
     if curves:
@@ -286,8 +321,12 @@ def _write_plots(out: Path, models: list[dict[str, Any]], sources: list[str],
 def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     run, tables = report["run"], report["tables"]
     dropped = f" ({len(run['dropped_sources'])} dropped)" if run["dropped_sources"] else ""
-    lines = [f"# Run report: {run['name']}", "", f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
-             f"model `{run['model']}`, {len(run['sources'])} sources{dropped}."]  # fmt: skip
+    lines = [
+        f"# Run report: {run['name']}",
+        "",
+        f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
+        f"model `{run['model']}`, {len(run['sources'])} sources{dropped}.",
+    ]
 
     def section(title: str, *blocks: str) -> None:
         lines.extend(["", f"## {title}", ""])
@@ -295,10 +334,17 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
 
     if head := report.get("headline"):
         refs = {"vs_joint": "the joint baseline", "vs_theta0": "θ0"}
-        against = [f"against {label} ({v['loss']:.4f}): {v['delta']:+.4f} ({v['relative_pct']:+.2f} %)"
-                   for key, label in refs.items() if (v := head.get(key))]  # fmt: skip
-        section("Headline", f"Best merged model **{head['model']}**: held-out loss **{head['loss']:.4f}**; "
-                + ("; ".join(against) or "no joint baseline or θ0 evaluated") + ".")  # fmt: skip
+        against = [
+            f"against {label} ({v['loss']:.4f}): {v['delta']:+.4f} ({v['relative_pct']:+.2f} %)"
+            for key, label in refs.items()
+            if (v := head.get(key))
+        ]
+        section(
+            "Headline",
+            f"Best merged model **{head['model']}**: held-out loss **{head['loss']:.4f}**; "
+            + ("; ".join(against) or "no joint baseline or θ0 evaluated")
+            + ".",
+        )
     figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
     if "models" in tables:
         section("Models", figure.get("heldout_loss.png", ""), markdown_table(**tables["models"]))
@@ -308,8 +354,11 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         section("Branches", figure.get("training_curves.png", ""), markdown_table(**tables["branches"]))
     if split := report.get("split"):
         variance = ", ".join(f"{100 * v:.1f} %" for v in split.get("explained_variance", []))
-        facts = [f"method `{split['method']}`" if "method" in split else "", f"r = {split['r']}" if split.get("r") else "",
-                 f"explained variance of the principal axes: {variance}" if variance else ""]  # fmt: skip
+        facts = [
+            f"method `{split['method']}`" if "method" in split else "",
+            f"r = {split['r']}" if split.get("r") else "",
+            f"explained variance of the principal axes: {variance}" if variance else "",
+        ]
         about = "; ".join(filter(None, facts))
         table = markdown_table(**tables["split"]) if "split" in tables else ""
         section("Split", f"Split: {about}." if about else "", table)
@@ -321,15 +370,25 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
 
 
 def _cost_lines(costs: dict[str, Any]) -> list[str]:
-    labels = {"calibration_seconds": "calibration", "calibration_gradient_seconds": "calibration gradients",
-              "warmup_train_seconds": "warm-up training", "branch_train_seconds_mean": "branch training, mean",
-              "branch_train_seconds_max": "branch training, max", "joint_train_seconds": "joint baseline training"}  # fmt: skip
+    labels = {
+        "calibration_seconds": "calibration",
+        "calibration_gradient_seconds": "calibration gradients",
+        "warmup_train_seconds": "warm-up training",
+        "branch_train_seconds_mean": "branch training, mean",
+        "branch_train_seconds_max": "branch training, max",
+        "joint_train_seconds": "joint baseline training",
+    }
     lines = [f"- {label}: {costs[key]:,.2f} s" for key, label in labels.items() if costs.get(key) is not None]
     if "calibration_share_pct" in costs:
-        lines.append(f"- **calibration share** (calibration / mean branch training): **{costs['calibration_share_pct']:.2f} %**"
-                     f" (MERIT: ≤ {MERIT_SHARE_PCT} % at 7B; target ≤ {TARGET_SHARE_PCT} %)")  # fmt: skip
-    lines += [f"- merge `{name}` ({m['method']}): {m['seconds']:,.2f} s" for name, m in costs.get("merges", {}).items()
-              if m["seconds"] is not None]  # fmt: skip
+        lines.append(
+            f"- **calibration share** (calibration / mean branch training): **{costs['calibration_share_pct']:.2f} %**"
+            f" (MERIT: ≤ {MERIT_SHARE_PCT} % at 7B; target ≤ {TARGET_SHARE_PCT} %)"
+        )
+    lines += [
+        f"- merge `{name}` ({m['method']}): {m['seconds']:,.2f} s"
+        for name, m in costs.get("merges", {}).items()
+        if m["seconds"] is not None
+    ]
     return lines
 
 

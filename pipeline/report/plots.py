@@ -8,11 +8,17 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
 
-KIND_COLOURS = {"theta0": "tab:grey", "branch": "tab:blue", "joint": "tab:green", "merged": "tab:orange", "other": "tab:purple"}
+KIND_COLOURS = {
+    "theta0": "tab:grey",
+    "branch": "tab:blue",
+    "joint": "tab:green",
+    "merged": "tab:orange",
+    "other": "tab:purple",
+}
 ANNOTATE_CELLS = 200  # above this many heatmap cells the numbers would be unreadable
 
 

@@ -5,6 +5,7 @@ kills its whole process group; its output is streamed to the caller and to ``tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,9 +54,19 @@ def free_port() -> int:
 
 def command(spec_path: Path, processes: int) -> list[str]:
     """torchrun, run so that it dies with the caller (``pipeline.train.lifetime``)."""
-    return [sys.executable, "-m", "pipeline.train.lifetime", "torch.distributed.run", f"--nproc_per_node={processes}",
-            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "pipeline.train.worker",
-            str(spec_path)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.train.lifetime",
+        "torch.distributed.run",
+        f"--nproc_per_node={processes}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "pipeline.train.worker",
+        str(spec_path),
+    ]
 
 
 def visible_devices(gpus: list[int], visible: str | None) -> str:
@@ -76,15 +87,25 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     spec.validate_inputs()
     spec_path = spec.save(out / "spec.json")
     resumed = (out / "checkpoints" / "latest.json").is_file()
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
+    }
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:
-        proc = subprocess.Popen(command(spec_path, spec.train.processes), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command(spec_path, spec.train.processes),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
         pump = threading.Thread(target=_pump, args=(proc, log_file, echo), daemon=True)
         pump.start()
         try:
@@ -116,8 +137,10 @@ def _refuse_other_spec(spec: BranchSpec, digest: str) -> None:
     if recorded is None and latest.is_file():
         recorded = json.loads(latest.read_text()).get("spec_digest")
     if recorded is not None and recorded != digest:
-        raise ValueError(f"branch {spec.name}: {out} was trained from another θ0, sources or train settings; "
-                         "move it away (or use another run directory) to train this one")  # fmt: skip
+        raise ValueError(
+            f"branch {spec.name}: {out} was trained from another θ0, sources or train settings; "
+            "move it away (or use another run directory) to train this one"
+        )
 
 
 def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
@@ -133,10 +156,8 @@ def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _result(spec: BranchSpec, final: Path, seconds: float, resumed: bool) -> BranchResult:

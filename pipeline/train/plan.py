@@ -11,8 +11,9 @@ from pipeline.layout import JOINT, WARMUP, base_path, branch_dir, init_path, spl
 from pipeline.train.spec import BranchSpec
 
 
-def _spec(cfg: RunConfig, run_dir: str | Path, name: str, init: str, sources: list[str], out: Path,
-          **train: object) -> BranchSpec:  # fmt: skip
+def _spec(
+    cfg: RunConfig, run_dir: str | Path, name: str, init: str, sources: list[str], out: Path, **train: object
+) -> BranchSpec:
     config = cfg.model_copy(update={"train": cfg.train.model_copy(update=train)}) if train else cfg
     return BranchSpec(name=name, run_dir=str(run_dir), init=init, sources=sources, out_dir=str(out), config=config)
 
@@ -24,22 +25,41 @@ def all_sources(run_dir: str | Path) -> list[str]:
 def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
     """The joint warm-up from the base model on every source; its ``final/`` is θ0."""
     w = cfg.warmup
-    return _spec(cfg, run_dir, WARMUP, base_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / WARMUP,
-                 steps=w.steps, lr=w.lr or cfg.train.lr)  # fmt: skip
+    return _spec(
+        cfg,
+        run_dir,
+        WARMUP,
+        base_path(cfg, run_dir),
+        all_sources(run_dir),
+        Path(run_dir) / WARMUP,
+        steps=w.steps,
+        lr=w.lr or cfg.train.lr,
+    )
 
 
 def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
     """One branch per group of the split, each from θ0 with the ``train`` section as it is."""
     init = init_path(cfg, run_dir)
-    return [_spec(cfg, run_dir, str(k), init, group, branch_dir(run_dir, k)) for k, group in enumerate(split_groups(run_dir))]
+    return [
+        _spec(cfg, run_dir, str(k), init, group, branch_dir(run_dir, k))
+        for k, group in enumerate(split_groups(run_dir))
+    ]
 
 
 def joint_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
     """The baseline: every source in one branch with the K branches' total budget (K × steps at
     the same batch), so merged and joint models have seen the same number of examples."""
     k, t = cfg.branch_count, cfg.train
-    return _spec(cfg, run_dir, JOINT, init_path(cfg, run_dir), all_sources(run_dir), Path(run_dir) / JOINT,
-                 steps=k * t.steps, timeout_s=k * t.timeout_s)  # fmt: skip
+    return _spec(
+        cfg,
+        run_dir,
+        JOINT,
+        init_path(cfg, run_dir),
+        all_sources(run_dir),
+        Path(run_dir) / JOINT,
+        steps=k * t.steps,
+        timeout_s=k * t.timeout_s,
+    )
 
 
 def branch_spec(cfg: RunConfig, run_dir: str | Path, name: str) -> BranchSpec:

@@ -51,11 +51,24 @@ class BranchData:
         cfg = spec.config
         by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
         manifest = read_manifest(spec.run_dir)["sources"]
-        order = BatchOrder([len(by_source[n]) for n in spec.sources], [manifest[n]["train_tokens"] for n in spec.sources],
-                           spec.train.sampling, cfg.run.seed)  # fmt: skip
-        return cls([ex for name in spec.sources for ex in by_source[name]], order,
-                   Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id))  # fmt: skip
+        order = BatchOrder(
+            [len(by_source[n]) for n in spec.sources],
+            [manifest[n]["train_tokens"] for n in spec.sources],
+            spec.train.sampling,
+            cfg.run.seed,
+        )
+        return cls(
+            [ex for name in spec.sources for ex in by_source[name]],
+            order,
+            Encoder(processor, cfg.data.max_length),
+            Collator(processor.tokenizer.pad_token_id),
+        )
 
-    def micro_batches(self, step: int, micro_batch: int, grad_accum: int, rank: int = 0, world: int = 1) -> list[list[Example]]:
+    def micro_batches(
+        self, step: int, micro_batch: int, grad_accum: int, rank: int = 0, world: int = 1
+    ) -> list[list[Example]]:
         """This rank's micro batches of ``step``, as examples."""
-        return [[self.examples[i] for i in ids.tolist()] for ids in self.order.rank_batches(step, micro_batch, grad_accum, rank, world)]
+        return [
+            [self.examples[i] for i in ids.tolist()]
+            for ids in self.order.rank_batches(step, micro_batch, grad_accum, rank, world)
+        ]

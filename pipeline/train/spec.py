@@ -30,8 +30,12 @@ class BranchSpec(BaseModel):
         changes a number (not the timeout or the checkpoint interval, so those can change on resume)."""
         cfg = self.config
         train = cfg.train.model_dump(mode="json", exclude={"timeout_s", "checkpoint_every"})
-        inputs = {"init": checkpoint_id(self.init), "sources": self.sources, "train": train,
-                  "config": cfg.digest("run", "model", "data")}  # fmt: skip
+        inputs = {
+            "init": checkpoint_id(self.init),
+            "sources": self.sources,
+            "train": train,
+            "config": cfg.digest("run", "model", "data"),
+        }
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate_inputs(self) -> None:
@@ -41,7 +45,9 @@ class BranchSpec(BaseModel):
         known = active_sources(read_manifest(self.run_dir))
         unknown = sorted(set(self.sources) - set(known))
         if unknown or not self.sources:
-            raise ValueError(f"branch {self.name}: unknown sources {unknown or '(none given)'}; prepared: {sorted(known)}")
+            raise ValueError(
+                f"branch {self.name}: unknown sources {unknown or '(none given)'}; prepared: {sorted(known)}"
+            )
         local = Path(self.init)
         if (local.exists() or self.config.model.name_or_path == "tiny") and not is_complete(local):
             raise ValueError(f"branch {self.name}: init checkpoint {self.init} is missing or incomplete")

@@ -48,7 +48,7 @@ def deepspeed_config(spec: BranchSpec, world: int) -> dict:
 
 
 def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
-    warmup = max(1, int(round(warmup_ratio * steps)))
+    warmup = max(1, round(warmup_ratio * steps))
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -81,8 +81,9 @@ def main(spec_path: str) -> None:
     data = BranchData.for_branch(spec, processor)
     encoder, collator = data.encoder, data.collator
     optimizer, scheduler = make_optimizer(model, t)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(spec, world))  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(spec, world)
+    )
 
     ckpt_dir, digest = out / "checkpoints", spec.digest()
     step, tokens_seen, elapsed = 0, 0, 0.0  # elapsed: training seconds, summed over resumed runs
@@ -91,8 +92,10 @@ def main(spec_path: str) -> None:
         # DeepSpeed asserts (no message) on a missing tag folder and returns None on an unreadable one.
         path, state = engine.load_checkpoint(str(ckpt_dir), tag=tag) if (ckpt_dir / tag).is_dir() else (None, None)
         if path is None:
-            raise RuntimeError(f"branch {spec.name}: {ckpt_dir / LATEST} names {tag}, which cannot be loaded; "
-                               "delete it to train the branch from its start")  # fmt: skip
+            raise RuntimeError(
+                f"branch {spec.name}: {ckpt_dir / LATEST} names {tag}, which cannot be loaded; "
+                "delete it to train the branch from its start"
+            )
         step, tokens_seen, elapsed = state["step"], state["tokens_seen"], state.get("elapsed_s", 0.0)
         if rank == 0:
             print(f"branch {spec.name}: resumed from {tag} (step {step})", flush=True)
@@ -115,7 +118,9 @@ def main(spec_path: str) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
-        totals = torch.tensor([torch.stack(losses).mean().item(), step_tokens], dtype=torch.float64, device=engine.device)
+        totals = torch.tensor(
+            [torch.stack(losses).mean().item(), step_tokens], dtype=torch.float64, device=engine.device
+        )
         dist.all_reduce(totals)
         step += 1
         tokens_seen += int(totals[1])
@@ -123,9 +128,15 @@ def main(spec_path: str) -> None:
         elapsed += seconds
         if rank == 0:
             norm = engine.get_global_grad_norm()
-            record = {"step": step, "loss": float(totals[0]) / world, "lr": lr, "tokens": tokens_seen,
-                      "tokens_per_s": float(totals[1]) / seconds, "grad_norm": None if norm is None else float(norm),
-                      "elapsed_s": round(elapsed, 3)}  # fmt: skip
+            record = {
+                "step": step,
+                "loss": float(totals[0]) / world,
+                "lr": lr,
+                "tokens": tokens_seen,
+                "tokens_per_s": float(totals[1]) / seconds,
+                "grad_norm": None if norm is None else float(norm),
+                "elapsed_s": round(elapsed, 3),
+            }
             with open(metrics_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if step % t.checkpoint_every == 0 and step < t.steps:
@@ -145,7 +156,10 @@ def _image_filler(encoder: Encoder) -> Encoded:
     buckets then differ between ranks (gloo aborts on the collective mismatch) and ZeRO-3, which
     gathers each module's weights collectively, hangs. Without labels it changes no loss and no
     gradient value; it only keeps every rank running the same modules in the same order."""
-    messages = [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": [{"type": "text", "text": ""}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+    ]
     filler = encoder(Example("filler", 0, "filler", messages, [Image.new("RGB", (56, 56))]))
     filler.labels.fill_(IGNORE_INDEX)
     return filler

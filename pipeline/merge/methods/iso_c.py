@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from pipeline.merge.linalg import DEFAULT_SCHEDULE, iso
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, weighted_mean
@@ -21,7 +22,7 @@ class Params(MethodParams):
     scale: float = 1.0  # α
     orthogonaliser: Literal["svd", "newton_schulz"] = "svd"
     ns_scale: Literal["inner", "rms"] = "inner"
-    ns_schedule: list[tuple[float, float, float]] = list(DEFAULT_SCHEDULE)
+    ns_schedule: list[tuple[float, float, float]] = Field(default_factory=lambda: list(DEFAULT_SCHEDULE))
 
 
 def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:

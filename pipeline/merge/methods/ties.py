@@ -79,7 +79,7 @@ def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext,
     shape, rows = task_vectors.shape[1:], task_vectors.shape[0]
     flat = task_vectors.reshape(rows, -1)
     n = flat.shape[1]
-    keep = max(1, int(round(params.density * n)))
+    keep = max(1, round(params.density * n))
     threshold = kth_largest_abs(flat, keep).view(-1, 1) if keep < n else torch.zeros(rows, 1, device=flat.device)
     w = weights.to(flat).view(-1, 1)
     out = torch.empty(n, dtype=torch.float32, device=flat.device)

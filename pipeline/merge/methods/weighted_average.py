@@ -15,4 +15,6 @@ def coefficients(weights: torch.Tensor, params: Params) -> tuple[float, torch.Te
     return 0.0, weights
 
 
-METHOD = register(MergeMethod("weighted_average", Params, coefficients=coefficients, aliases=("linear", "token_weighted")))
+METHOD = register(
+    MergeMethod("weighted_average", Params, coefficients=coefficients, aliases=("linear", "token_weighted"))
+)
