@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from calibration.errors import CalibrationError
 from pipeline.checkpoint import write_json_atomic
 from pipeline.data import Collator, Encoded, Encoder, Example
+from pipeline.models.loss import supervised_nll
 
 
 def select_parameters(model: torch.nn.Module, patterns: Sequence[str], matrices_only: bool = True) -> list[str]:
@@ -175,17 +176,24 @@ class _Replicas:
         def work(k: int) -> None:
             try:
                 model, device = self.models[k], self.devices[k]
-                model.zero_grad(set_to_none=True)
-                for batch in batches[k :: len(self.models)]:
-                    inputs = {key: v.to(device) for key, v in collator(batch).items()}
-                    share = sum(e.num_supervised for e in batch) / supervised
-                    (model(**inputs).loss * share).backward()
                 params = dict(model.named_parameters())
-                grads = [
-                    params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in self.names
-                ]
-                parts[k] = sketch(grads).to(self.devices[0])
+                # A bf16 .grad rounds every accumulated batch to 8 mantissa bits: then each
+                # batch's gradient is sketched in fp32 and the sketches are summed (the sketch is
+                # linear, so this equals the sketch of the sum). fp32 gradients accumulate exactly
+                # and are sketched once.
+                per_batch = any(params[n].dtype != torch.float32 for n in self.names)
+                total = None
                 model.zero_grad(set_to_none=True)
+                for i, batch in enumerate(mine := batches[k :: len(self.models)]):
+                    nll, _ = supervised_nll(model, {key: v.to(device) for key, v in collator(batch).items()})
+                    (nll / supervised).backward()
+                    if per_batch or i == len(mine) - 1:
+                        zeros = torch.zeros_like
+                        grads = [params[n].grad if params[n].grad is not None else zeros(params[n]) for n in self.names]
+                        part = sketch(grads)
+                        total = part if total is None else total.add_(part)
+                        model.zero_grad(set_to_none=True)
+                parts[k] = total.to(self.devices[0]) if total is not None else None
             except BaseException as err:  # re-raised in the caller's thread
                 errors.append(err)
 
@@ -199,7 +207,7 @@ class _Replicas:
                 t.join()
         if errors:
             raise errors[0]
-        return torch.stack(parts).sum(0)
+        return torch.stack([p for p in parts if p is not None]).sum(0)
 
     def restore(self) -> None:
         for n, p in self.model.named_parameters():

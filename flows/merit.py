@@ -1,6 +1,6 @@
 """The MERIT flow and the joint-baseline flow.
 
-merit: prepare → init → warm-up (θ0) → calibrate → K branches (+ the joint baseline), fanned
+merit: preflight → prepare → init → warm-up (θ0) → calibrate → K branches (+ the joint baseline), fanned
 out with retries that resume from checkpoints → merges → held-out evaluation → report.
 Every stage is idempotent, so re-running a flow on the same run directory resumes it.
 """
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
+from pathlib import Path
 
+import prefect.runtime.flow_run
 import torch
 from prefect import flow
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from flows import tasks
+from flows.heartbeat import heartbeat
 from flows.progress import BranchProgress
 from flows.report import artifact_key, report
 from pipeline.config import RunConfig
@@ -94,7 +97,8 @@ def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
 
 
 def start(run_dir: str, cfg: RunConfig) -> None:
-    """prepare → init → warm-up: the data and θ0 every later stage needs."""
+    """preflight → prepare → init → warm-up: the data and θ0 every later stage needs."""
+    tasks.preflight(run_dir)
     tasks.prepare(run_dir)
     tasks.init(run_dir)
     if cfg.warmup.steps:
@@ -121,8 +125,12 @@ def merit(
 def branch(run_dir: str, name: str) -> dict:
     """One branch of a run (``warmup``, ``joint`` or a group number) on whatever machine runs this
     flow: the unit the merit flow fans out over a work pool when ``flow.branch_deployment`` is set.
-    No retries here: the merit flow starts a new run, on a new machine if need be."""
-    return tasks.train(run_dir, name)
+    No retries here: the merit flow starts a new run, on a new machine if need be; the heartbeat
+    tells it when this machine is gone."""
+    cfg = tasks.run_config(run_dir)
+    out = Path(branch_spec(cfg, run_dir, name).out_dir)
+    with heartbeat(out, str(prefect.runtime.flow_run.id), cfg.flow.heartbeat_s):
+        return tasks.train(run_dir, name)
 
 
 @flow(name="joint", log_prints=True)

@@ -21,6 +21,15 @@ def run_config(run_dir: str) -> RunConfig:
     return load_config(Path(run_dir) / CONFIG)
 
 
+@task(name="preflight")
+def preflight(run_dir: str) -> dict[str, str]:
+    """Everything that would fail after hours of training (θ0, data paths, DeepSpeed config,
+    merges, devices), checked first."""
+    from pipeline.preflight import check_run
+
+    return check_run(run_config(run_dir), run_dir)
+
+
 @task(name="prepare")
 def prepare(run_dir: str) -> dict[str, int]:
     """Load, split and encode every source; returns train tokens per source."""
@@ -68,12 +77,20 @@ def train(run_dir: str, name: str, gpus: list[int] | None = None) -> dict[str, A
 @task(name="train-branch-remote", task_run_name="train-{name}")
 def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
     """Train one branch as a flow run of ``deployment`` (a ``merit-branch`` deployment), on a
-    machine of its work pool, and wait for it. A run that fails or crashes (a spot machine taken
-    away) raises, so this task's retries start a new run, which resumes from the checkpoints the
-    lost one left in the shared run directory."""
+    machine of its work pool, and wait for it. A run that fails or crashes, or whose machine
+    disappears (its heartbeat stops: ``flows.heartbeat``), raises, so this task's retries start a
+    new run, which resumes from the checkpoints the last one left in the shared run directory."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment(deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}")
+    from flows.heartbeat import wait_for
+    from pipeline.train.plan import branch_spec
+
+    cfg = run_config(run_dir)
+    spec = branch_spec(cfg, run_dir, name)
+    run = run_deployment(
+        deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}", timeout=0
+    )
+    run = wait_for(run, Path(spec.out_dir), cfg.flow.branch_stale_s, spec.train.timeout_s)
     if not run.state.is_completed():
         raise RuntimeError(
             f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: {run.state.message}"

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+VERIFIED = ".verified.json"  # the record of the last verification (see verify_checkpoint)
+HASH_COUNTS = ("write_bytes_hashed", "verify_bytes_hashed")
 _CHUNK = 1 << 22
 
 
@@ -78,16 +80,19 @@ def staged_dir(dst: str | Path) -> Iterator[Path]:
 
 def write_manifest(folder: str | Path, known_hashes: dict[str, str] | None = None, **meta: Any) -> dict[str, Any]:
     """Hash every file in ``folder`` (except those whose sha256 the writer already computed
-    while writing them) and write ``manifest.json`` beside them."""
+    while writing them) and write ``manifest.json`` beside them. The folder counts as verified
+    from then on: its files were hashed as they are."""
     folder = Path(folder)
     known = known_hashes or {}
-    files = {}
+    files, hashed = {}, 0
     for p in sorted(folder.rglob("*")):
         name = str(p.relative_to(folder))
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.name not in (MANIFEST, VERIFIED):
             files[name] = known[name] if name in known else sha256_file(p)
+            hashed += p.stat().st_size
     manifest = {**meta, "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
+    _record_verification(folder, manifest, write_bytes_hashed=hashed)
     return manifest
 
 
@@ -102,23 +107,84 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
 
 
 def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
-    """Check every file listed in the manifest against its sha256; return the manifest."""
+    """Check every file listed in the manifest against its sha256; return the manifest.
+
+    A multi-GB checkpoint is read by every rank, stage and merge of a run: it is hashed once, and
+    the verification is recorded in the folder (``.verified.json``: each file's size and mtime).
+    Later calls compare sizes and mtimes only, and hash again when one has changed, so a file
+    rewritten or truncated after the check is still caught, at the cost of a stat per file."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    stamps = _stamps(folder, manifest)
+    if _verified(folder).get("stamps") == stamps:
+        return manifest
+    hashed = 0
     for name, expected in manifest["files"].items():
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: listed in the manifest but missing")
         if sha256_file(path) != expected:
             raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt or truncated)")
+        hashed += path.stat().st_size
+    _record_verification(folder, manifest, verify_bytes_hashed=hashed)
     return manifest
+
+
+def _stamps(folder: Path, manifest: dict[str, Any]) -> dict[str, list[int]]:
+    stamps = {}
+    for name in [*manifest["files"], MANIFEST]:
+        try:
+            stat = (folder / name).stat()
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder / name}: listed in the manifest but missing") from None
+        stamps[name] = [stat.st_size, stat.st_mtime_ns]
+    return stamps
+
+
+_in_process: dict[str, dict[str, Any]] = {}  # the records of folders this process cannot write to
+
+
+def _verified(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / VERIFIED).read_text())
+    except (OSError, json.JSONDecodeError):
+        return _in_process.get(str(folder.resolve()), {})
+
+
+def _record_verification(folder: Path, manifest: dict[str, Any], **hashed: int) -> None:
+    """Note that the files, as they are now, match the manifest; count the bytes hashed for it."""
+    old = _verified(folder)
+    record = {
+        "stamps": _stamps(folder, manifest),
+        **{key: old.get(key, 0) + hashed.get(key, 0) for key in HASH_COUNTS},
+        "verifications": old.get("verifications", 0) + ("verify_bytes_hashed" in hashed),
+    }
+    try:
+        write_json_atomic(folder / VERIFIED, record)
+    except OSError:  # a read-only copy of θ0: remember it for this process only
+        _in_process[str(folder.resolve())] = record
+
+
+def bytes_hashed(root: str | Path) -> dict[str, int]:
+    """Bytes hashed to write and to verify every checkpoint under ``root`` (a run directory)."""
+    totals = dict.fromkeys((*HASH_COUNTS, "verifications", "checkpoints"), 0)
+    for path in Path(root).rglob(VERIFIED):
+        record = _verified(path.parent)
+        for key in (*HASH_COUNTS, "verifications"):
+            totals[key] += record.get(key, 0)
+        totals["checkpoints"] += 1
+    return totals
 
 
 def checkpoint_id(checkpoint: str | Path) -> str:
     """The identity of the weights: the hash of a project checkpoint's manifest (which hashes
-    every file), else the path or hub id as given."""
-    manifest = Path(checkpoint) / MANIFEST
-    return sha256_file(manifest) if manifest.is_file() else str(checkpoint)
+    every file); for a Hugging Face snapshot its repository and revision (the same on every
+    machine, wherever its cache is); else the path as given."""
+    path = Path(checkpoint)
+    if (path / MANIFEST).is_file():
+        return sha256_file(path / MANIFEST)
+    parts = path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return f"{parts[-3].removeprefix('models--').replace('--', '/')}@{parts[-1]}"
+    return str(checkpoint)
 
 
 def is_complete(folder: str | Path) -> bool:
@@ -129,11 +195,14 @@ def is_complete(folder: str | Path) -> bool:
     return True
 
 
-def save_pretrained_checkpoint(dst: str | Path, model: Any, processor: Any = None, **meta: Any) -> Path:
-    """``save_pretrained`` a model (and processor) atomically, with a manifest."""
+def save_pretrained_checkpoint(
+    dst: str | Path, model: Any, processor: Any = None, state_dict: dict | None = None, **meta: Any
+) -> Path:
+    """``save_pretrained`` a model (its own weights, or ``state_dict`` in its layout) and processor
+    atomically, with a manifest."""
     dst = Path(dst)
     with staged_dir(dst) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         if processor is not None:
             processor.save_pretrained(tmp)
         write_manifest(tmp, **meta)

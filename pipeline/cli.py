@@ -89,6 +89,14 @@ def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
+def cmd_check(args: argparse.Namespace) -> None:
+    from pipeline.preflight import check_run
+
+    cfg, run_dir = resolve_run(args)
+    for what, found in check_run(cfg, run_dir).items():
+        print(f"{what:<10} ok: {found}")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from pipeline.train import train_branch
     from pipeline.train.plan import branch_spec
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="load, split and encode the data sources")
     add_run_options(prepare).set_defaults(func=cmd_prepare)
     add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
+    check = sub.add_parser("check", help="check what would fail late (θ0, data paths, DeepSpeed, merges, GPUs)")
+    add_run_options(check, force=False).set_defaults(func=cmd_check)
     train = sub.add_parser("train", help="train (or resume) one branch of a run: warmup, joint or a group number")
     add_run_options(train, force=False).add_argument("--branch", required=True, help="warmup, joint, 0, 1, ...")
     train.set_defaults(func=cmd_train)

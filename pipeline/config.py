@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,6 +73,7 @@ class TinyModelSection(Section):
 
 class ModelSection(Section):
     name_or_path: str = "tiny"  # "tiny", a Hugging Face id or a local checkpoint folder
+    revision: str | None = None  # of a Hugging Face id: a branch, tag or commit (default: main)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     trust_remote_code: bool = False
@@ -149,7 +151,11 @@ class CalibrationSection(Section):
 class TrainSection(Section):
     """One branch's training (also the joint baseline and DiLoCo's inner steps)."""
 
-    steps: int = Field(100, ge=1)  # optimizer steps
+    # The budget: ``epochs`` passes over the branch's training examples, drawn without replacement
+    # (MERIT trains each branch on its own group's data once); ``steps`` optimizer steps instead
+    # when given (then the joint baseline gets K × steps).
+    epochs: float = Field(1.0, gt=0)
+    steps: int | None = Field(None, ge=1)
     micro_batch: int = Field(8, ge=1)  # per process
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -158,11 +164,19 @@ class TrainSection(Section):
     warmup_ratio: float = Field(0.1, ge=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr × this
     clip: float = Field(1.0, gt=0)
-    sampling: Literal["tokens", "uniform"] = "tokens"  # source draw ∝ training tokens, or uniform
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (long sequences, big models)
+    loader_workers: int = Field(2, ge=0)  # processes encoding the next steps' batches while this one trains
     deepspeed: str = "configs/deepspeed/zero2.json"
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
     checkpoint_every: int = Field(50, ge=1)
     timeout_s: int = Field(6 * 3600, ge=1)
+
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.processes
+
+    def steps_for(self, examples: int) -> int:
+        """Optimizer steps of this budget over ``examples`` training examples."""
+        return self.steps or max(1, math.ceil(self.epochs * examples / self.global_batch()))
 
 
 class WarmupSection(Section):
@@ -197,8 +211,9 @@ class MergeEntry(Section):
 class MergeSection(Section):
     methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]
     device: Literal["cpu", "cuda"] = "cpu"
-    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: each tensor's dtype
+    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: the branches' dtype
     fisher_examples: int = Field(64, ge=1)  # per branch, for methods that need a diagonal Fisher
+    block_mb: int = Field(1024, ge=1)  # fp32 working memory of TIES, DARE and Fisher per row block
 
     @model_validator(mode="after")
     def _unique_names(self) -> MergeSection:
@@ -226,6 +241,18 @@ class FlowSection(Section):
     # with branch_deployment: every branch at once
     branch_retries: int = Field(2, ge=0)  # a retry resumes from the branch's last checkpoint
     retry_delay_s: float = Field(10.0, ge=0)
+    # With branch_deployment: each branch's flow run beats a heartbeat into the run directory; one
+    # that is Running but silent this long has lost its machine, and is crashed and resubmitted.
+    heartbeat_s: float = Field(30.0, gt=0)
+    branch_stale_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _stale_after_several_beats(self) -> FlowSection:
+        if self.branch_stale_s < 3 * self.heartbeat_s:
+            raise ValueError(
+                "flow.branch_stale_s must be at least 3 × flow.heartbeat_s (a late beat is not a lost machine)"
+            )
+        return self
 
 
 class RunConfig(Section):

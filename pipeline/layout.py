@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import is_complete
 from pipeline.config import RunConfig, load_config, save_config
+from pipeline.hub import resolve_model
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
 INIT = "init"  # the tiny offline model as built
@@ -36,9 +37,12 @@ def is_tiny(cfg: RunConfig) -> bool:
 
 
 def base_path(cfg: RunConfig, run_dir: str | Path) -> str:
-    """The model before any training: the run's ``init/`` for the tiny model, else the
-    configured hub id or folder, used in place."""
-    return str(Path(run_dir) / INIT) if is_tiny(cfg) else cfg.model.name_or_path
+    """The model before any training: the run's ``init/`` for the tiny model, else the configured
+    folder or the local snapshot of the configured hub id, used in place (an error naming the id
+    when this machine has no snapshot of it)."""
+    if is_tiny(cfg):
+        return str(Path(run_dir) / INIT)
+    return str(resolve_model(cfg.model.name_or_path, cfg.model.revision))
 
 
 def init_path(cfg: RunConfig, run_dir: str | Path) -> str:

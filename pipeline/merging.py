@@ -1,8 +1,9 @@
 """The ``merge`` stage of a run: its K branches merged as each entry of the config's ``merge``
 section says, into ``merged/<name>``, through the merge library.
 
-MERIT's merge weights each branch by its training tokens n_k (``weighting: tokens``): the
-tokens the branch actually trained on, from its checkpoint manifest.
+MERIT's merge weights each branch by n_k, the tokens of its group's training data (``weighting:
+tokens``, as the paper defines it): a property of the split, not of how long the branch trained
+or how long its examples happened to be.
 """
 
 from __future__ import annotations
@@ -11,22 +12,40 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import checkpoint_id, is_complete, read_manifest
+from pipeline.checkpoint import CheckpointError, checkpoint_id, is_complete, read_manifest, verify_checkpoint
 from pipeline.config import MergeEntry, RunConfig
-from pipeline.data import Collator, Encoder, load_split
+from pipeline.data import Collator, Encoder, active_sources, load_split
+from pipeline.data import read_manifest as read_data_manifest
+from pipeline.fisher import estimate_fisher
 from pipeline.layout import branch_dir, init_path, merged_dir, split_groups
 from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
-from pipeline.merge.methods.fisher import estimate_fisher
 from pipeline.models import load_model, load_processor
 
 
 def branch_finals(run_dir: str | Path) -> list[Path]:
-    """Every branch's ``final/`` checkpoint; a missing one is an error naming the branch."""
+    """Every branch's ``final/`` checkpoint; missing or corrupt ones are an error naming each."""
     finals = [branch_dir(run_dir, k) / "final" for k in range(len(split_groups(run_dir)))]
-    missing = [str(f.parent.name) for f in finals if not is_complete(f)]
-    if missing:
-        raise FileNotFoundError(f"branches {missing} of {run_dir} have no complete final/ checkpoint: train them first")
+    problems = []
+    for final in finals:
+        try:
+            verify_checkpoint(final)
+        except CheckpointError as err:
+            problems.append(f"branch {final.parent.name}: {err}")
+    if problems:
+        raise FileNotFoundError(f"{run_dir}: cannot merge: " + "; ".join(problems) + " (train them again first)")
     return finals
+
+
+def group_tokens(run_dir: str | Path, groups: list[list[str]]) -> list[int]:
+    """n_k: the training tokens of each group's sources, as prepared."""
+    sources = active_sources(read_data_manifest(run_dir))
+    return [sum(sources[s]["train_tokens"] for s in group) for group in groups]
+
+
+def merge_weights(run_dir: str | Path) -> list[float]:
+    """MERIT's merge weights n_k / Σ n_j of the run's branches."""
+    tokens = group_tokens(run_dir, split_groups(run_dir))
+    return [t / sum(tokens) for t in tokens]
 
 
 def find_entry(cfg: RunConfig, name: str) -> MergeEntry:
@@ -39,23 +58,39 @@ def find_entry(cfg: RunConfig, name: str) -> MergeEntry:
 
 
 def merge_spec(cfg: RunConfig, run_dir: str | Path, entry: MergeEntry, fishers: list[Path] | None = None) -> MergeSpec:
+    finals = branch_finals(run_dir)
+    tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in finals])
+    return entry_spec(cfg, entry, init_path(cfg, run_dir), finals, tokens, merged_dir(run_dir, entry.name), fishers)
+
+
+def entry_spec(
+    cfg: RunConfig,
+    entry: MergeEntry,
+    base: str | Path,
+    finals: list[Path],
+    tokens: list[int],
+    out: Path,
+    fishers: list[Path] | None = None,
+) -> MergeSpec:
+    """The merge spec of one entry of the ``merge`` section over given branches (validated)."""
     models = [
         ModelEntry(
             path=str(final),
-            tokens=read_manifest(final)["tokens_seen"] if entry.weighting == "tokens" else None,
+            tokens=tokens[k] if entry.weighting == "tokens" else None,
             fisher=str(fishers[k]) if fishers else None,
         )
-        for k, final in enumerate(branch_finals(run_dir))
+        for k, final in enumerate(finals)
     ]
     return MergeSpec(
-        base_model=init_path(cfg, run_dir),
+        base_model=str(base),
         models=models,
         method=entry.method,
         params=entry.params,
         rules=entry.rules,
-        out_path=str(merged_dir(run_dir, entry.name)),
+        out_path=str(out),
         out_dtype=cfg.merge.out_dtype,
         device=cfg.merge.device,
+        block_mb=cfg.merge.block_mb,
         seed=cfg.run.seed,
     )
 
@@ -67,7 +102,8 @@ def needs_fisher(entry: MergeEntry) -> bool:
 
 def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
     """Diagonal Fisher of branch k at its final weights, from ``merge.fisher_examples`` of its own
-    training examples (one per batch: the per-example empirical Fisher); kept in ``fisher/``."""
+    training examples (one per batch: the per-example empirical Fisher), on ``merge.device``;
+    kept in ``fisher/``."""
     final, out = branch_dir(run_dir, k) / "final", branch_dir(run_dir, k) / "fisher"
     source = {"final": checkpoint_id(final), "examples": cfg.merge.fisher_examples, "seed": cfg.run.seed}
     if is_complete(out) and read_manifest(out).get("source") == source:
@@ -76,7 +112,8 @@ def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
     examples = [ex for exs in load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values() for ex in exs]
     sample = random.Random(f"{cfg.run.seed}/fisher/{k}").sample(examples, min(cfg.merge.fisher_examples, len(examples)))
     encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
-    return estimate_fisher(model, (collator([encoder(ex)]) for ex in sample), out, source=source)
+    batches = (collator([encoder(ex)]) for ex in sample)
+    return estimate_fisher(model, batches, out, device=cfg.merge.device, source=source)
 
 
 def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,29 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from pipeline.config import RunConfig, load_config
 from pipeline.models import init_model, load_processor
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from this run")
+
+
+@pytest.fixture
+def golden(request):
+    """``golden(name, values)``: the values a refactor must reproduce (torchtitan's golden loss
+    files). Compared to ``tests/golden/<name>.json``; ``pytest --update-golden`` rewrites it, for a
+    change meant to alter the numbers (say which, and why, in the commit)."""
+
+    def check(name: str, values: list[float], rtol: float = 1e-4) -> None:
+        path = GOLDEN / f"{name}.json"
+        if request.config.getoption("--update-golden"):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(values, indent=1) + "\n")
+        expected = json.loads(path.read_text())
+        assert values == pytest.approx(expected, rel=rtol), f"{name} differs from {path}"
+
+    return check
 
 
 def small_config(*overrides: str) -> RunConfig:
@@ -48,6 +72,20 @@ def prefect_api():
 def processor(tiny_run):
     cfg, run_dir = tiny_run
     return load_processor(run_dir / "init", cfg.model)
+
+
+def hub_snapshot(hf_home: Path, repo_id: str, files: Path, revision: str = "0123456789abcdef" * 2 + "01234567") -> Path:
+    """Files laid out as ``huggingface_hub`` caches a downloaded model (no manifest of ours):
+    ``hub/models--ORG--NAME/snapshots/<revision>/`` and ``refs/main`` naming the revision."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in files.iterdir():
+        if file.is_file() and not file.name.startswith(".") and file.name != "manifest.json":
+            shutil.copy2(file, snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
 
 
 def write_image(path: Path, colour=(255, 0, 0), size=(64, 48)) -> Path:

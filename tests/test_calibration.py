@@ -1,5 +1,6 @@
 """MERIT calibration: gradients at θ0, sketches, conflicts and the split plan."""
 
+import copy
 import itertools
 import json
 import subprocess
@@ -79,9 +80,25 @@ def test_sketch_is_linear_and_seeded():
     for kind in ("stride", "projection"):
         sketch = Sketch(kind, [600, 50], 64, seed=3)
         torch.testing.assert_close(sketch([2 * g[0], g[1] * 2]), 2 * sketch(g))
+        h = [torch.randn(30, 20), torch.randn(50)]
+        torch.testing.assert_close(sketch([g[0] + h[0], g[1] + h[1]]), sketch(g) + sketch(h))  # per-batch sums
         assert torch.equal(sketch(g), Sketch(kind, [600, 50], 64, seed=3)(g))
         assert len({tuple(Sketch(kind, [600, 50], 64, seed=s)(g).tolist()) for s in range(5)}) > 1
     assert Sketch("stride", [600, 50], 10_000, 0)(g).numel() == 650  # no reduction below the size
+
+
+def test_a_bf16_model_sketches_each_batch_in_fp32(setup):
+    """bf16 gradients are not accumulated over batches in bf16: each batch is sketched in fp32 and
+    the sketches summed, which stays within one bf16 backward pass' rounding of the fp32 result."""
+    model, examples, encoder, collator = setup
+    sample = {s: examples[s][:12] for s in ("colour_name", "add_words", "caption")}
+    exact, _ = estimate(model, sample, encoder, collator, batch_size=2, dim=8192)
+    low, _ = estimate(copy.deepcopy(model).to(torch.bfloat16), sample, encoder, collator, batch_size=2, dim=8192)
+    assert low.matrix.dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(low.matrix, exact.matrix, dim=1)
+    assert cosine.min() > 0.99, cosine
+    relative = (low.matrix - exact.matrix).norm(dim=1) / exact.matrix.norm(dim=1)
+    assert relative.max() < 0.05, relative
 
 
 def test_nan_gradient_names_the_source(setup):

@@ -1,6 +1,16 @@
+import os
+
 import pytest
 
-from pipeline.checkpoint import CheckpointError, is_complete, staged_dir, verify_checkpoint, write_manifest
+from pipeline import checkpoint
+from pipeline.checkpoint import (
+    CheckpointError,
+    bytes_hashed,
+    is_complete,
+    staged_dir,
+    verify_checkpoint,
+    write_manifest,
+)
 
 
 def test_staged_dir_is_all_or_nothing(tmp_path):
@@ -53,3 +63,32 @@ def test_a_kill_between_the_renames_keeps_the_old_checkpoint(tmp_path):
         raise RuntimeError("the next writer fails")
     assert (tmp_path / "ckpt" / "w.bin").read_bytes() == b"old" and is_complete(tmp_path / "ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_checkpoint_is_hashed_once_and_again_only_when_a_file_changes(tmp_path, monkeypatch):
+    """Every rank, stage and merge verifies θ0 and the branches: a multi-GB checkpoint must be
+    read once per run, not once per verification."""
+    with staged_dir(tmp_path / "c") as tmp:
+        (tmp / "a.bin").write_bytes(b"x" * 1000)
+        (tmp / "b.bin").write_bytes(b"y" * 500)
+        write_manifest(tmp, step=1)
+    hashed = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    for _ in range(3):
+        verify_checkpoint(tmp_path / "c")
+    assert hashed == []  # hashed when written, and recorded
+    stat = (tmp_path / "c" / "a.bin").stat()
+    os.utime(tmp_path / "c" / "a.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: check again
+    verify_checkpoint(tmp_path / "c")
+    verify_checkpoint(tmp_path / "c")
+    assert sorted(hashed) == ["a.bin", "b.bin"]
+    (tmp_path / "c" / "b.bin").write_bytes(b"z" * 500)  # same size, rewritten: caught
+    with pytest.raises(CheckpointError, match="b.bin: sha256 does not match"):
+        verify_checkpoint(tmp_path / "c")
+    assert bytes_hashed(tmp_path) == {
+        "write_bytes_hashed": 1500,
+        "verify_bytes_hashed": 1500,
+        "verifications": 1,
+        "checkpoints": 1,
+    }

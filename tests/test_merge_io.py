@@ -1,6 +1,7 @@
 """The streaming driver on tiny Qwen2.5-VL checkpoints on disk, and every refusal."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,26 @@ def test_rules_per_group_sharded_output_and_bf16(branches, tmp_path):
     verify_checkpoint(out)
 
 
+def test_bf16_branches_over_an_fp32_base_merge_into_bf16(branches, tmp_path):
+    """Branches trained in bf16 on GPUs, θ0 in fp32: computed in fp32, written in the branches' dtype."""
+    base, paths = branches
+    low = []
+    for k, path in enumerate(paths[:2]):
+        dst = tmp_path / f"bf16-{k}"
+        shutil.copytree(path, dst, ignore=shutil.ignore_patterns("*.safetensors", INDEX))
+        save_file({n: t.bfloat16() for n, t in disk_tensors(path).items()}, dst / "model.safetensors")
+        low.append(dst)
+    for method in ("weighted_average", "ties", "iso_c"):
+        merge_checkpoints(spec(tmp_path, base, low, method=method, out_path=str(tmp_path / method)), progress=False)
+        merged, inputs = disk_tensors(tmp_path / method), [disk_tensors(p) for p in low]
+        assert {t.dtype for t in merged.values()} == {torch.bfloat16}, method
+        if method == "weighted_average":
+            name = "model.layers.0.mlp.up_proj.weight"
+            expected = (inputs[0][name].float() + 2 * inputs[1][name].float()) / 3
+            torch.testing.assert_close(merged[name], expected.bfloat16())
+        AutoModelForImageTextToText.from_pretrained(tmp_path / method)
+
+
 def test_tied_lm_head_is_written_once(branches, tmp_path):
     base, paths = branches
     copies = []
@@ -168,8 +189,8 @@ def broken_copy(tmp_path, source: Path, edit) -> Path:
         (lambda t: t.update({"extra.weight": torch.zeros(2)}), r"extra \['extra.weight'\]"),
         (lambda t: t.update({"model.norm.weight": torch.zeros(3)}), r"tensor model.norm.weight is \(3,\)"),
         (
-            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].half()}),
-            r"model.norm.weight .*torch.float16",
+            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}),
+            r"model.norm.weight .*torch.int32",
         ),
         (
             lambda t: t["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(5, float("nan")),
@@ -225,7 +246,7 @@ def test_spec_refusals(branches, tmp_path):
 
 def test_fisher_helper_and_fisher_merge(branches, tiny_run, processor, tmp_path):
     from pipeline.data import Collator, Encoder, load_sources
-    from pipeline.merge.methods.fisher import estimate_fisher
+    from pipeline.fisher import estimate_fisher
 
     cfg, _ = tiny_run
     base, paths = branches

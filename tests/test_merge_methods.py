@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.bench.isoc import spectrum_matrix
-from pipeline.merge import Rule, TensorContext, get_method, merge_state_dicts
+from pipeline.merge import Rule, TensorContext, TensorInputs, get_method, merge_state_dicts, merge_tensor, tensor_reader
 from pipeline.merge.linalg import iso
 from pipeline.merge.methods.ties import kth_largest_abs
 
@@ -118,16 +118,18 @@ def test_fisher(k, shape, zero):
     f = np.maximum(fishers.double().numpy(), 1e-6) * w.reshape(-1, *([1] * len(SHAPES[shape])))
     expected = (f * (taus + b)).sum(0) / f.sum(0)
     method = get_method("fisher")
-    out = (
-        method.merge(
-            torch.stack(models) - base,
-            weights / weights.sum(),
-            TensorContext("t", fishers=fishers),
-            method.validate({}),
+    for block_bytes in (1 << 30, 64):  # one block, and one row per block
+        inputs = TensorInputs(
+            "t",
+            base.shape,
+            [tensor_reader(m) for m in models],
+            ["a"] * k,
+            base=tensor_reader(base),
+            block_bytes=block_bytes,
+            fishers=[tensor_reader(f) for f in fishers],
         )
-        + base
-    )
-    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+        out = merge_tensor(method, method.validate({}), inputs, weights / weights.sum(), TensorContext("t"))
+        np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
 
 
 def test_dare_drops_and_rescales_with_a_seed():
@@ -249,7 +251,7 @@ def test_ties_stays_odd_when_the_majority_is_a_tie():
 def test_merge_state_dicts_leaves_inputs_untouched():
     base, models, weights = case(3, (10, 10))
     copies = [m.clone() for m in models]
-    for method in ("weighted_average", "ties", "dare", "iso_c"):
+    for method in ("weighted_average", "ties", "dare", "iso_c", "tsv", "iso_cts", "task_arithmetic"):
         merge_state_dicts([{"t": m} for m in models], weights, [Rule(pattern="*", method=method)], base={"t": base})
     assert all(torch.equal(a, b) for a, b in zip(models, copies))
 
@@ -277,3 +279,30 @@ def test_bad_params_and_weights_are_refused():
         Rule(pattern="*", method="nope")
     with pytest.raises(ValueError, match="positive"):
         merge_state_dicts([{"t": torch.ones(2)}], [0.0], [Rule(pattern="*", method="linear")])
+
+
+@pytest.mark.parametrize("method", ["ties", "dare", "tsv", "iso_c", "iso_cts", "weighted_average"])
+def test_a_small_block_budget_gives_the_same_merge(method):
+    """A tensor larger than the budget is merged in row blocks (the 7B embedding × K = 8 does not
+    fit a GPU in fp32): the result must not depend on the blocking, DARE's masks included."""
+    base, models, weights = case(3, (1200, 1000), seed=4)
+    for m in models:  # exact cancellations: TIES' majority fix-up reaches back into earlier blocks
+        m.view(-1)[:50] = base.view(-1)[:50]
+    params = {"drop": 0.5, "combine": "ties", "density": 0.3} if method == "dare" else {}
+    rule = [Rule(pattern="*", method=method, params=params)]
+
+    def run(block_bytes):
+        return merge_state_dicts([{"t": m} for m in models], weights, rule, base={"t": base}, block_bytes=block_bytes)
+
+    whole, blocked = run(1 << 30), run(4 << 20)  # one block; 262 rows per block
+    torch.testing.assert_close(blocked["t"], whole["t"], atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_models_over_an_fp32_base_merge_in_fp32():
+    base, models, weights = case(3, (40, 17), seed=6)
+    low = [m.to(torch.bfloat16) for m in models]
+    for method in ("weighted_average", "ties", "iso_c"):
+        rule = [Rule(pattern="*", method=method)]
+        mixed = merge_state_dicts([{"t": m} for m in low], weights, rule, base={"t": base})["t"]
+        exact = merge_state_dicts([{"t": m.float()} for m in low], weights, rule, base={"t": base})["t"]
+        assert mixed.dtype == torch.float32 and torch.equal(mixed, exact), method

@@ -20,7 +20,7 @@ from pipeline.train.launch import visible_devices
 MERGES = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
 
 
-def save_branch(cfg, run_dir, k: int, shift: float, tokens: int) -> None:
+def save_branch(cfg, run_dir, k: int, shift: float, tokens_seen: int) -> None:
     model = load_model(run_dir / "init", cfg.model)
     with torch.no_grad():
         for p in model.parameters():
@@ -30,8 +30,9 @@ def save_branch(cfg, run_dir, k: int, shift: float, tokens: int) -> None:
         model,
         load_processor(run_dir / "init", cfg.model),
         step=1,
-        tokens_seen=tokens,
+        tokens_seen=tokens_seen,
         parent=str(run_dir / "init"),
+        sources=[["a"], ["b"]][k],
     )
 
 
@@ -42,9 +43,12 @@ def run(tiny_run, tmp_path):
     shutil.copytree(built / "init", run_dir / "init")
     (run_dir / "calibration").mkdir()
     (run_dir / "calibration" / "split.json").write_text(json.dumps({"groups": [["a"], ["b"]]}))
+    sources = {"a": {"train_tokens": 300}, "b": {"train_tokens": 100}}  # the groups' data: n_k
+    (run_dir / "data").mkdir()
+    (run_dir / "data" / "manifest.json").write_text(json.dumps({"sources": sources}))
     cfg = small_config(MERGES, "warmup.steps=0")
-    save_branch(cfg, run_dir, 0, 0.1, tokens=300)
-    save_branch(cfg, run_dir, 1, -0.2, tokens=100)
+    save_branch(cfg, run_dir, 0, 0.1, tokens_seen=100)  # what the branches saw does not weight them
+    save_branch(cfg, run_dir, 1, -0.2, tokens_seen=300)
     return cfg, run_dir
 
 
@@ -59,15 +63,17 @@ def test_a_merge_is_token_weighted_and_redone_only_when_its_inputs_change(run):
     stamp, inputs = (out / "manifest.json").stat().st_mtime_ns, read_manifest(out)["inputs"]
     merge_run(cfg, run_dir, "avg")
     assert (out / "manifest.json").stat().st_mtime_ns == stamp  # same spec, same weights: kept
-    save_branch(cfg, run_dir, 1, -0.2 + 1e-3, tokens=100)  # retrained: same tokens, other weights
+    save_branch(cfg, run_dir, 1, -0.2 + 1e-3, tokens_seen=300)  # retrained: same data, other weights
     merge_run(cfg, run_dir, "avg")
     branch_1 = str(branch_dir(run_dir, 1) / "final")
     assert read_manifest(out)["inputs"][branch_1] != inputs[branch_1]
     assert not torch.equal(load_file(out / "model.safetensors")[name], merged[name])
     with pytest.raises(ValueError, match="no merge named 'ties'"):
         merge_run(cfg, run_dir, "ties")
-    shutil.rmtree(branch_dir(run_dir, 1) / "final")
-    with pytest.raises(FileNotFoundError, match=r"branches \['1'\] .* have no complete final/"):
+    weights = branch_dir(run_dir, 0) / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # corrupt: named as such
+    shutil.rmtree(branch_dir(run_dir, 1) / "final")  # missing
+    with pytest.raises(FileNotFoundError, match=r"branch 0: .*model.safetensors: sha256 does not match.*; branch 1: "):
         merge_run(cfg, run_dir, "iso")
     assert not is_complete(merged_dir(run_dir, "iso"))
 

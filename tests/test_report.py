@@ -111,7 +111,7 @@ def full_run(tmp_path: Path) -> Path:
         "branches/0",
         GROUPS[0],
         metrics([2.0, 1.8, 1.5], 1000, [50, 50, 50], [10.0, 20.0, 39.0]),
-        {"step": 3, "tokens_seen": 3000, "train_seconds": 40.0},
+        {"step": 3, "tokens_seen": 3000, "examples_seen": 24, "train_seconds": 40.0},
     )
     # branch 1: neither train_seconds nor elapsed_s (an older file): 1000/50 + 1000/50 + 1000/100 = 50 s
     write_training(
@@ -119,7 +119,7 @@ def full_run(tmp_path: Path) -> Path:
         "branches/1",
         GROUPS[1],
         metrics([2.1, 1.9, 1.6], 1000, [50, 50, 100], None),
-        {"step": 3, "tokens_seen": 3000},
+        {"step": 3, "tokens_seen": 4500, "examples_seen": 24},  # longer examples than branch 0's
     )
     write_training(
         run,
@@ -171,7 +171,7 @@ def mean_loss(model: str) -> float:
 def test_full_report(full_run: Path):
     report = build_report(full_run)
     assert report == json.loads((full_run / "report" / "report.json").read_text())
-    assert set(report) == {"run", "models", "branches", "split", "costs", "headline", "plots", "tables"}
+    assert set(report) == {"run", "models", "branches", "budget", "split", "costs", "headline", "plots", "tables"}
     assert report["run"]["name"] == load_config(full_run / "config.yaml").run.name
     assert report["run"]["config_digest"] == load_config(full_run / "config.yaml").digest()
     assert report["run"]["dropped_sources"] == ["broken"]
@@ -206,12 +206,26 @@ def test_full_report(full_run: Path):
         "kind": "branch",
         "dir": "branches/1",
         "sources": GROUPS[1],
-        "tokens": 3000,
+        "tokens": 4500,
+        "examples": 24,
         "steps": 3,
         "train_seconds": None,
         "last_loss": 1.6,
+        "data_examples": 36,
+        "data_tokens": 2000 + 3000,  # counting, ocr
+        "epochs": 24 / 36,
+        "merge_weight": 5000 / (5000 + 5000),  # the groups' data, not the tokens seen
+        "weight_by_tokens_seen": 4500 / (3000 + 4500),
     }
-    assert report["tables"]["branches"]["rows"][1] == ["branch-0", "branch", "captions, vqa", 3000, 3, 40.0, 1.5]
+    assert "merge_weight" not in branches["joint"] and branches["joint"]["data_tokens"] == 10_000
+    assert report["tables"]["branches"]["headers"][3:6] == ["data tokens (n_k)", "merge weight", "epochs"]
+    assert report["tables"]["branches"]["rows"][1] == [
+        "branch-0", "branch", "captions, vqa", 5000, 0.5, round(24 / 36, 4), 3, 3000, 40.0, 1.5
+    ]  # fmt: skip
+    assert report["budget"] == {"epochs": 1.0, "global_batch": 8}
+    markdown = (full_run / "report" / "report.md").read_text()
+    assert "Budget: 1 epoch(s) over each branch's own data, the joint baseline 1 epoch(s) over all of it" in markdown
+    assert "n_k, the tokens of its group's training data: 0.500 / 0.500 (by the tokens each branch saw" in markdown
 
     costs = report["costs"]
     assert costs["branch_train_seconds_mean"] == pytest.approx(45.0)
@@ -316,3 +330,17 @@ def test_the_report_leaves_out_stale_evaluations(full_run):
     )
     names = [m["name"] for m in build_report(full_run)["models"]]
     assert names == ["theta0", "branch-0", "branch-1", "joint"]  # avg left the config; iso's weights changed
+
+
+def test_a_corrupt_checkpoint_is_reported_as_such_not_left_out_silently(full_run: Path):
+    final = full_run / "branches" / "1" / "final"
+    manifest = json.loads((final / "manifest.json").read_text())
+    (final / "model.safetensors").write_bytes(b"cut short")
+    write_json(final / "manifest.json", {**manifest, "files": {"model.safetensors": "0" * 64}})
+    report = build_report(full_run)
+    assert report["problems"] == [
+        f"branch-1: {final / 'model.safetensors'}: sha256 does not match the manifest (corrupt or truncated)"
+    ]
+    assert "branch-1" not in [m["name"] for m in report["models"]]  # its evaluation is of other weights
+    markdown = (full_run / "report" / "report.md").read_text()
+    assert "## Problems" in markdown and "- branch-1: " in markdown

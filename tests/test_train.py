@@ -77,22 +77,23 @@ def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero,
         train_branch(branch.model_copy(update={"sources": SOURCES[:2]}), echo=False)  # not silently reused
 
 
-def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):
-    reference = train_branch(spec(run_dir, tmp_path / "straight"), echo=False)
-    killed = spec(run_dir, tmp_path / "killed")
+def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_dir, tmp_path):
+    zero3 = [f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json", "train.processes=2"]
+    reference = train_branch(spec(run_dir, tmp_path / "straight", *zero3), echo=False)
+    killed = spec(run_dir, tmp_path / "killed", *zero3)
     spec_path = killed.save(tmp_path / "killed" / "spec.json")
     proc = subprocess.Popen(
-        command(spec_path, 1), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        command(spec_path, 2), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
     while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; torchrun put the rank in a session of its own
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; torchrun put the ranks in sessions of their own
     proc.wait()
     deadline = time.monotonic() + 30
-    while processes_of(spec_path):  # the rank dies with its launcher (PR_SET_PDEATHSIG)
-        assert time.monotonic() < deadline, "the rank outlived its killed launcher"
+    while processes_of(spec_path):  # the ranks die with their launcher (PR_SET_PDEATHSIG)
+        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
         time.sleep(0.1)
     assert not (tmp_path / "killed" / "final").exists()
     resumed = train_branch(killed, echo=False)
@@ -101,6 +102,23 @@ def test_sigkill_and_resume_gives_the_same_weights(run_dir, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))  # records after the checkpoint were rewritten, not duplicated
+
+
+def test_accumulated_micro_batches_train_as_one_larger_batch_along_the_golden_curve(run_dir, tmp_path, golden):
+    """The loss of a step is its mean over every supervised token of the step: two micro batches
+    of 4 give the gradient of one batch of 8, up to float rounding (padding differs)."""
+    zero0 = f"train.deepspeed={ROOT}/configs/deepspeed/zero0.json"
+    one = train_branch(spec(run_dir, tmp_path / "one", zero0, "train.steps=8", "train.micro_batch=8"), echo=False)
+    two = spec(run_dir, tmp_path / "two", zero0, "train.steps=8", "train.micro_batch=4", "train.grad_accum=2")
+    assert train_branch(two, echo=False).tokens_seen == one.tokens_seen
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5
+    curves = [
+        [json.loads(line)["loss"] for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+        for n in ("one", "two")
+    ]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5)
+    golden("branch_loss", curves[0])  # the trainer's curve on this branch, as it was when recorded
 
 
 def test_bad_specs_fail_before_launching(run_dir, tmp_path):

@@ -34,10 +34,11 @@ from pipeline.models import (
     processor_for,
 )
 from pipeline.models.loading import DTYPES
+from pipeline.models.loss import mean_nll
 from pipeline.models.tiny import tiny_config
 from pipeline.train import BranchSpec, train_branch
+from pipeline.train.engine import make_optimizer
 from pipeline.train.sampling import BranchData
-from pipeline.train.worker import make_optimizer
 
 WARMUP_STEPS = 3  # excluded from the rates: first-step allocation and thread start-up
 
@@ -54,7 +55,7 @@ def plain_loop(spec: BranchSpec) -> float:
         for micro in data.micro_batches(step, t.micro_batch, t.grad_accum):
             encoded = data.encoder.encode_batch(micro)
             tokens += sum(e.num_tokens for e in encoded)
-            (model(**data.collator(encoded)).loss / t.grad_accum).backward()
+            (mean_nll(model, data.collator(encoded)) / t.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
         optimizer.step()
         scheduler.step()

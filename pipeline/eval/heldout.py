@@ -20,9 +20,10 @@ from tqdm.auto import tqdm
 
 from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import RunConfig
-from pipeline.data import IGNORE_INDEX, Collator, Encoder, load_split
+from pipeline.data import Collator, Encoder, load_split
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
+from pipeline.models.loss import chunks, supervised_hidden
 
 
 def evaluate_model(
@@ -87,13 +88,12 @@ def evaluate_model(
 
 
 def _score(model: Any, batch: dict[str, torch.Tensor], device: str) -> tuple[float, int, int]:
-    """Summed NLL, correct argmax predictions and supervised targets of one batch."""
-    targets = batch.pop("labels")[:, 1:].to(device)  # position t predicts token t + 1
-    hidden = model.model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).last_hidden_state[:, :-1]
-    keep = targets != IGNORE_INDEX
-    # Project only the supervised positions onto the vocabulary: (N, V) logits, upcast to fp32
-    # for the cross-entropy, rather than (B, T, V), which at Qwen's 151k vocabulary dominates memory.
-    logits = model.lm_head(hidden[keep]).float()
-    wanted = targets[keep]
-    nll = F.cross_entropy(logits, wanted, reduction="sum")
-    return nll.item(), int((logits.argmax(-1) == wanted).sum()), int(wanted.numel())
+    """Summed NLL, correct argmax predictions and supervised targets of one batch: only the
+    supervised positions are projected onto the vocabulary, a chunk at a time, in fp32."""
+    hidden, targets = supervised_hidden(model, {k: v.to(device) for k, v in batch.items()})
+    nll, correct = 0.0, 0
+    for rows in chunks(len(targets)):
+        logits = model.lm_head(hidden[rows]).float()
+        nll += F.cross_entropy(logits, targets[rows], reduction="sum").item()
+        correct += int((logits.argmax(-1) == targets[rows]).sum())
+    return nll, correct, len(targets)

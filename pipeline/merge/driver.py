@@ -1,14 +1,17 @@
 """The streaming merge driver: tensor by tensor over all inputs, with bounded memory.
 
-Peak memory is O((K + 2) × largest tensor): the K inputs of one tensor (a general method
-stacks them; a linear one holds only a running sum), θ0's tensor and the output. Compute is in
-fp32 on ``device``; the output is written in each tensor's input dtype unless ``out_dtype``.
+Per tensor a merge holds its output, θ0's tensor and one input tensor at a time (the averages,
+Iso-C's mean, TSV's and Iso-CTS's per-task SVDs); element-wise methods (TIES, DARE, Fisher)
+hold K rows of a block whose fp32 size stays under ``block_bytes`` (``pipeline.merge.inputs``).
+Peak memory therefore does not grow with K beyond what the inputs' readers keep. Compute is in
+fp32 on ``device``; models may be stored in different float dtypes (bf16 branches over an fp32
+θ0): the output takes the models' dtype (the wider one if they differ) unless ``out_dtype``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,12 +20,12 @@ from tqdm.auto import tqdm
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
+from pipeline.merge.inputs import Reader, TensorInputs, Workspace, rows_of, tensor_reader
 from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
 
-Loader = Callable[[], torch.Tensor]
 TIED = ("lm_head.weight", "model.embed_tokens.weight")
 
 
@@ -44,85 +47,34 @@ class MergeReport:
             counts[method] = counts.get(method, 0) + 1
         return {k: v for k, v in asdict(self).items() if k != "methods"} | {"method_counts": counts}
 
+    def timed(self, reader: Reader) -> Reader:
+        """``reader``, counting the seconds and bytes it reads."""
 
-class _Timer:
-    def __init__(self, report: MergeReport):
-        self.report = report
+        def read(start: int, stop: int) -> torch.Tensor:
+            began = time.perf_counter()
+            tensor = reader(start, stop)
+            self.read_seconds += time.perf_counter() - began
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            return tensor
 
-    def load(self, loader: Loader) -> torch.Tensor:
-        start = time.perf_counter()
-        tensor = loader()
-        self.report.read_seconds += time.perf_counter() - start
-        self.report.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        return read
 
 
 def merge_tensor(
-    method: MergeMethod,
-    params: MethodParams,
-    ctx: TensorContext,
-    base: Loader | None,
-    inputs: Sequence[Loader],
-    labels: Sequence[str],
-    weights: torch.Tensor,
-    device: str = "cpu",
-    load: Callable[[Loader], torch.Tensor] = lambda f: f(),
-    base_label: str = "base model",
-    workspace: Workspace | None = None,
+    method: MergeMethod, params: MethodParams, inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext
 ) -> torch.Tensor:
-    """Merge one tensor. With ``base`` (θ0's loader) the inputs are models θ_k and the result is
-    θ; with ``base=None`` the inputs are already task vectors / pseudo-gradients and so is the
-    result. θ0 is read only when the method needs it (never for the weighted average)."""
+    """Merge one tensor (fp32, on the inputs' device). With a base the inputs are models θ_k and the
+    result is θ; without, they are task vectors or pseudo-gradients and so is the result. θ0 is
+    read only when the method needs it (never for the weighted average)."""
     if method.is_linear:
-        base_coeff, coeffs = method.coefficients(weights, params)
-        out = None
-        for c, loader in zip(coeffs.tolist(), inputs):
-            t = load(loader).to(device)
-            # The first input is copied (never scaled in place: it may be the caller's tensor).
-            out = t.to(torch.float32, copy=True).mul_(c) if out is None else out.add_(t, alpha=c)
-        if base is not None and base_coeff:
-            out.add_(load(base).to(device), alpha=base_coeff)
-        if not torch.isfinite(out.sum()):  # NaN/Inf in any input reaches a linear combination
-            used = [*inputs, base] if base is not None and base_coeff else list(inputs)
-            _raise_non_finite(ctx.name, [load(f) for f in used], [*labels, base_label])
-        return out
-    stack = None
-    for k, loader in enumerate(inputs):
-        t = load(loader).to(device)  # move in the stored dtype (bf16: half the bytes), convert there
-        if stack is None:
-            flat = (workspace or Workspace()).get(len(inputs) * t.numel(), device)
-            stack = flat.view(len(inputs), *t.shape)
-        stack[k].copy_(t)
-    if not torch.isfinite(stack.reshape(len(inputs), -1).sum(1)).all():
-        _raise_non_finite(ctx.name, stack, labels)
-    if base is None:
-        return method.merge(stack, weights.to(device), ctx, params)
-    theta0 = load(base).to(device, torch.float32)
-    if not torch.isfinite(theta0.sum()):
-        _raise_non_finite(ctx.name, [theta0], [base_label])
-    return method.merge(stack.sub_(theta0), weights.to(device), ctx, params).add_(theta0)
-
-
-class Workspace:
-    """Scratch space reused from tensor to tensor within one merge: allocating (K, n) fresh for
-    every tensor costs a page fault per 4 KiB, as much as the merge arithmetic itself on CPU.
-    Owned by one merge call (freed with it, never shared between threads)."""
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def get(self, numel: int, device: str) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < numel or str(self.buffer.device) != str(torch.device(device)):
-            self.buffer = None
-            self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
-        return self.buffer[:numel]
-
-
-def _raise_non_finite(name: str, tensors, labels: Sequence[str]) -> None:
-    for tensor, label in zip(tensors, labels):
-        if not torch.isfinite(tensor).all():
-            raise MergeInputError(f"{label}: tensor {name} contains NaN or Inf")
-    raise MergeInputError(f"tensor {name}: the merged values overflow float32")
+        base_coefficient, coefficients = method.coefficients(weights, params)
+        return inputs.combine(coefficients.tolist(), base_coefficient)
+    merged = method.merge(inputs, weights.to(inputs.device), ctx, params)
+    if inputs.base is not None:
+        merged.add_(inputs.base_tensor())
+    if not torch.isfinite(merged.sum()):
+        raise MergeInputError(f"tensor {ctx.name}: the merged values overflow float32")
+    return merged
 
 
 def merge_state_dicts(
@@ -132,6 +84,7 @@ def merge_state_dicts(
     base: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
     device: str = "cpu",
+    block_bytes: int = 1 << 30,
 ) -> dict[str, torch.Tensor]:
     """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
     pseudo-gradients and the result is their merged update: nothing is written to disk."""
@@ -142,10 +95,7 @@ def merge_state_dicts(
         raise ValueError(f"weights must be non-negative and sum to a positive number, got {weights.tolist()}")
     weights = (weights / weights.sum()).float()
     labels = [f"input {k}" for k in range(len(models))]
-    dicts, dict_labels = (
-        [*models, *([base] if base is not None else [])],
-        [*labels, *(["base"] if base is not None else [])],
-    )
+    dicts, dict_labels = [*models, *([base] if base is not None else [])], [*labels, *(["base"] if base else [])]
     _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
     workspace, out = Workspace(), {}
     for name, first in models[0].items():
@@ -155,22 +105,24 @@ def merge_state_dicts(
             continue
         if method.needs_fisher:
             raise ValueError("the fisher method needs Fisher files: use merge_checkpoints")
-        out[name] = merge_tensor(
-            method,
-            params,
-            TensorContext(name, seed),
-            None if base is None else (lambda name=name: base[name]),
-            [lambda m=m, name=name: m[name] for m in models],
+        inputs = TensorInputs(
+            name,
+            first.shape,
+            [tensor_reader(m[name]) for m in models],
             labels,
-            weights,
-            device,
+            base=tensor_reader(base[name]) if base is not None else None,
             base_label="base",
+            device=device,
+            block_bytes=block_bytes,
             workspace=workspace,
         )
+        out[name] = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
     return out
 
 
 def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence[str]) -> None:
+    """The same tensor names and shapes everywhere; float tensors may differ in float dtype
+    (merged in fp32), other tensors (integer buffers) must match exactly."""
     reference, ref_label = infos[0], labels[0]
     for info, label in zip(infos[1:], labels[1:]):
         missing, extra = sorted(set(reference) - set(info)), sorted(set(info) - set(reference))
@@ -179,10 +131,11 @@ def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence
                 f"{label}: tensor names differ from {ref_label}: missing {missing[:5]}, extra {extra[:5]}"
             )
         for name, ref in reference.items():
-            if info[name] != ref:
+            other = info[name]
+            floats = ref.dtype.is_floating_point and other.dtype.is_floating_point
+            if other.shape != ref.shape or (other.dtype != ref.dtype and not floats):
                 raise MergeInputError(
-                    f"{label}: tensor {name} is {info[name].shape} {info[name].dtype}, "
-                    f"but {ref.shape} {ref.dtype} in {ref_label}"
+                    f"{label}: tensor {name} is {other.shape} {other.dtype}, but {ref.shape} {ref.dtype} in {ref_label}"
                 )
 
 
@@ -199,7 +152,7 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
             writer.write(name, merged.to(run.plan[name].dtype))
             report.write_seconds += time.perf_counter() - write_start
         writer.close()
-        copy_aux_files(run.reference.aux_files(), tmp)
+        copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config: their dtype
         report.tensors, report.bytes_written = len(run.plan), writer.bytes_written
         report.total_seconds = time.perf_counter() - start
         write_manifest(
@@ -229,39 +182,46 @@ class _CheckpointMerge:
         _check_same_tensors([r.info for r in self.readers], [str(r.path) for r in self.readers])
         if self.fishers:
             _check_fishers(self.fishers, self.models[0].info)
-        self.reference = self.readers[0]
         out_dtype = OUT_DTYPES.get(spec.out_dtype) if spec.out_dtype else None
-        tied = _tied(self.reference)
+        tied = _tied(self.models[0])
         self.plan = {
-            name: TensorInfo(info.shape, out_dtype if out_dtype and info.dtype.is_floating_point else info.dtype)
-            for name, info in self.reference.info.items()
+            name: TensorInfo(
+                info.shape, (out_dtype or self._models_dtype(name)) if info.dtype.is_floating_point else info.dtype
+            )
+            for name, info in self.models[0].info.items()
             if name not in tied
         }
         self.report = MergeReport(out_path=spec.out_path)
-        self.timer = _Timer(self.report)
         self.workspace = Workspace()
+
+    def _models_dtype(self, name: str) -> torch.dtype:
+        dtype = self.models[0].info[name].dtype
+        for reader in self.models[1:]:
+            dtype = torch.promote_types(dtype, reader.info[name].dtype)
+        return dtype
 
     def merge(self, name: str) -> torch.Tensor:
         method, params = choose(name, self.rules)
         self.report.methods[name] = method.name
         start, read_before = time.perf_counter(), self.report.read_seconds
-        if not self.reference.info[name].dtype.is_floating_point:
-            merged = self.timer.load(lambda: self.reference.get(name))  # integer buffers are copied
+        timed, shape = self.report.timed, self.models[0].info[name].shape
+        if not self.models[0].info[name].dtype.is_floating_point:
+            merged = timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
         else:
-            fishers = _stack_fishers(self.fishers, name, self.timer) if method.needs_fisher else None
-            merged = merge_tensor(
-                method,
-                params,
-                TensorContext(name, self.spec.seed, fishers),
-                (lambda: self.base.get(name)) if self.base else None,
-                [lambda r=r: r.get(name) for r in self.models],
+            fishers = self.fishers if method.needs_fisher and all(name in f.info for f in self.fishers) else None
+            inputs = TensorInputs(
+                name,
+                shape,
+                [timed(m.reader(name)) for m in self.models],
                 self.labels,
-                self.weights,
-                self.spec.device,
-                self.timer.load,
-                str(self.spec.base_model),
-                self.workspace,
+                base=timed(self.base.reader(name)) if self.base else None,
+                base_label=str(self.spec.base_model),
+                device=self.spec.device,
+                block_bytes=self.spec.block_mb << 20,
+                workspace=self.workspace,
+                fishers=fishers and [timed(f.reader(name)) for f in fishers],
             )
+            merged = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.spec.seed))
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
 
@@ -274,11 +234,14 @@ def _tied(reader: CheckpointReader) -> set[str]:
 
 
 def _check_fishers(fishers: list[CheckpointReader], info: dict[str, TensorInfo]) -> None:
+    """Fisher files hold some of the models' float tensors (those that trained), in their shapes."""
     for reader in fishers:
-        for name, ref in info.items():
-            if ref.dtype.is_floating_point and (name not in reader.info or reader.info[name].shape != ref.shape):
-                raise MergeInputError(f"{reader.path}: no Fisher values of shape {ref.shape} for tensor {name}")
-
-
-def _stack_fishers(fishers: list[CheckpointReader] | None, name: str, timer: _Timer) -> torch.Tensor:
-    return torch.stack([timer.load(lambda r=r: r.get(name)).float() for r in fishers])
+        unknown = sorted(set(reader.info) - set(info))
+        if unknown or not reader.info:
+            raise MergeInputError(f"{reader.path}: not Fisher values of these models (tensors {unknown[:5]} unknown)")
+        for name, fisher in reader.info.items():
+            if fisher.shape != info[name].shape or not fisher.dtype.is_floating_point:
+                raise MergeInputError(
+                    f"{reader.path}: Fisher values of tensor {name} are {fisher.shape} {fisher.dtype}, "
+                    f"the models' are {info[name].shape}"
+                )

@@ -107,6 +107,20 @@ class CheckpointReader:
         except (SafetensorError, OSError) as err:
             raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err
 
+    def reader(self, name: str):
+        """Rows ``[start, stop)`` of tensor ``name`` as stored: only those bytes are read."""
+        file = self.location[name]
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            try:
+                if not self.info[name].shape:  # a scalar: one row of one entry
+                    return self._open(file).get_tensor(name).reshape(1)[start:stop]
+                return self._open(file).get_slice(name)[start:stop]
+            except (SafetensorError, OSError) as err:
+                raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err
+
+        return rows
+
     def config(self) -> dict:
         path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
         try:
@@ -116,13 +130,17 @@ class CheckpointReader:
 
     def aux_files(self) -> list[Path]:
         """Files beside the weights that a loadable checkpoint needs (config, tokenizer,
-        processor, chat template, generation config), never weights or a manifest."""
+        processor, chat template, generation config), never weights, a manifest or a hidden
+        file (a verification record)."""
         if self.path.is_file():
             return []
         return sorted(
             p
             for p in self.path.iterdir()
-            if p.is_file() and p.name != "manifest.json" and not p.name.endswith(WEIGHT_SUFFIXES)
+            if p.is_file()
+            and p.name != "manifest.json"
+            and not p.name.startswith(".")
+            and not p.name.endswith(WEIGHT_SUFFIXES)
         )
 
 

@@ -10,6 +10,9 @@ Conventions every method follows (so MERIT merging and DiLoCo aggregation agree)
   Iso-C, TSV).
 - A *linear* method is a fixed combination c0·θ0 + Σ c_k θ_k; the driver streams it one input
   at a time without materialising task vectors (the fast path for averaging).
+- A general method reads its inputs through :class:`~pipeline.merge.inputs.TensorInputs`
+  (whole task vectors one at a time, their weighted mean, or row blocks under a memory budget),
+  never all K of a large tensor at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from pipeline.merge.inputs import TensorInputs
+
 
 class MethodParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -29,24 +34,23 @@ class MethodParams(BaseModel):
 @dataclass(frozen=True)
 class TensorContext:
     """What a method may need beyond the task vectors: the tensor's name (for seeding and
-    messages), a seed, and per-model diagonal Fisher values when the method asks for them."""
+    messages) and a seed."""
 
     name: str
     seed: int = 0
-    fishers: torch.Tensor | None = None  # (K, *shape), fp32
 
-    def generator(self, device: torch.device | str) -> torch.Generator:
-        """A generator seeded by (seed, tensor name): results do not depend on tensor order."""
-        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + zlib.crc32(self.name.encode()))
+    def key(self, *parts: int) -> int:
+        """A seed for (seed, tensor name, parts): results do not depend on tensor order."""
+        return zlib.crc32(repr((self.seed, self.name, *parts)).encode())
 
 
 @dataclass(frozen=True)
 class MergeMethod:
     name: str
     params: type[MethodParams]
-    # General methods: (task vectors stacked (K, *shape), weights (K,), context, params) -> merged τ.
-    # The stacked task vectors are scratch space: a method may overwrite them, never return a view.
-    merge: Callable[[torch.Tensor, torch.Tensor, TensorContext, MethodParams], torch.Tensor] | None = None
+    # General methods: (the tensor's inputs, weights (K,), context, params) -> merged τ, fp32, on the
+    # inputs' device. Blocks are scratch space: a method may overwrite them, never return a view.
+    merge: Callable[[TensorInputs, torch.Tensor, TensorContext, MethodParams], torch.Tensor] | None = None
     # Linear methods: (weights, params) -> (coefficient of θ0, coefficients of θ_k).
     coefficients: Callable[[torch.Tensor, MethodParams], tuple[float, torch.Tensor]] | None = None
     needs_fisher: bool = False
@@ -78,8 +82,3 @@ def get_method(name: str) -> MergeMethod:
     if name not in METHODS:
         raise ValueError(f"unknown merge method '{name}'; known: {sorted(METHODS)}")
     return METHODS[name]
-
-
-def weighted_mean(task_vectors: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_k w_k τ_k over the first axis: the fallback of the spectral methods for non-2-D tensors."""
-    return torch.tensordot(weights.to(task_vectors), task_vectors, dims=1)

@@ -8,8 +8,9 @@ models:
 method: iso_c                          # or rules: [{group|pattern, method, params}, ...]
 params: {scale: 1.0}
 out_path: runs/demo/merged/iso_c
-out_dtype: null                        # default: each tensor's input dtype
+out_dtype: null                        # default: the models' dtype (the wider one if they differ)
 device: cpu                            # or cuda
+block_mb: 1024                         # working memory of TIES, DARE and Fisher per block
 ```
 """
 
@@ -65,6 +66,9 @@ class MergeSpec(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     seed: int = 0
     max_shard_size: int = Field(2 * 1024**3, ge=1)  # bytes per output shard
+    # The fp32 working set of an element-wise method (TIES, DARE, Fisher): a tensor whose K task
+    # vectors exceed it is merged in row blocks, each pass reading it again.
+    block_mb: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
     def _method_or_rules(self) -> MergeSpec:

@@ -1,9 +1,9 @@
 """The ``init`` stage: θ0, the shared start every branch trains from.
 
 ``model.name_or_path: tiny`` builds the offline model into ``run_dir/init`` (a checkpoint with
-a manifest). Any other value names a Hugging Face id or a local folder, used in place: nothing
-is copied. θ0 is this base model, or the result of the joint warm-up (``pipeline.train.plan``)
-when ``warmup.steps`` > 0.
+a manifest). Any other value names a Hugging Face id (resolved to its local snapshot) or a local
+folder, used in place: nothing is copied. θ0 is this base model, or the result of the joint
+warm-up (``pipeline.train.plan``) when ``warmup.steps`` > 0.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pipeline.models.tiny import build_tiny_model, build_tiny_processor
 
 def processor_for(cfg: RunConfig, run_dir: str | Path | None = None) -> Any:
     """The processor of θ0, without building or loading any weights."""
-    if is_tiny(cfg):
-        init = Path(base_path(cfg, run_dir)) if run_dir else None
-        if init is not None and is_complete(init):
-            return load_processor(init, cfg.model)
-        return build_tiny_processor(cfg.model, cfg.run.seed)
-    return load_processor(cfg.model.name_or_path, cfg.model)
+    if not is_tiny(cfg):
+        return load_processor(base_path(cfg, run_dir or "."), cfg.model)
+    init = Path(base_path(cfg, run_dir)) if run_dir else None
+    if init is not None and is_complete(init):
+        return load_processor(init, cfg.model)
+    return build_tiny_processor(cfg.model, cfg.run.seed)
 
 
 def init_model(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,15 @@ def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
         size=pixel_bounds(model_cfg),
         trust_remote_code=model_cfg.trust_remote_code,
     )
+
+
+def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:
+    """The dtype a model is loaded in: ``model.dtype``, or for ``auto`` the one its config names."""
+    if model_cfg.dtype != "auto":
+        return DTYPES[model_cfg.dtype]
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return DTYPES.get(name or "float32", torch.float32)
 
 
 def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:

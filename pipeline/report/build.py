@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.checkpoint import MANIFEST, checkpoint_id, write_json_atomic
+from pipeline.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    bytes_hashed,
+    checkpoint_id,
+    verify_checkpoint,
+    write_json_atomic,
+)
 from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
 from pipeline.data.prepare import active_sources
@@ -46,6 +53,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     trained = _trained_dirs(cfg, run_dir)
     metrics = {name: _read_metrics(folder / "metrics.jsonl") for name, _, folder in trained}
     branches = [b for name, kind, folder in trained if (b := _branch(run_dir, name, kind, folder, metrics[name]))]
+    _budget_and_weights(branches, active_sources(data))
     summary = _read_json(run_dir / CALIBRATION / "summary.json")
     split = _pick(summary, "groups", "tokens", "explained_variance") | _pick(
         _read_json(run_dir / CALIBRATION / "split.json"),
@@ -67,10 +75,12 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
             "sources": list(active_sources(data)),
             "dropped_sources": sorted(set(data["sources"]) - set(active_sources(data))),
         },
+        "problems": _problems(cfg, run_dir),
         "models": models,
         "branches": branches,
+        "budget": _budget(cfg) if branches else {},
         "split": split,
-        "costs": _costs(summary, branches, _merges(cfg, run_dir)),
+        "costs": _costs(summary, branches, _merges(cfg, run_dir), bytes_hashed(run_dir)),
         "headline": _headline(models),
     }
     report = {k: v for k, v in report.items() if v}
@@ -180,10 +190,44 @@ def _branch(run_dir: Path, name: str, kind: str, folder: Path, records: list[dic
         "dir": str(folder.relative_to(run_dir)),
         "sources": BranchSpec.load(spec).sources if spec.is_file() else final.get("sources", []),
         "tokens": final.get("tokens_seen", last.get("tokens")),
+        "examples": final.get("examples_seen", last.get("examples")),
         "steps": final.get("step", last.get("step")),
         "train_seconds": final["train_seconds"] if "train_seconds" in final else train_seconds(records),
         "last_loss": last.get("loss"),
     }
+
+
+def _budget_and_weights(branches: list[dict[str, Any]], sources: dict[str, dict[str, Any]]) -> None:
+    """Each training's data (examples, tokens) and the passes over it; for the branches, MERIT's
+    merge weight n_k / Σ n_j with n_k the tokens of the group's training data."""
+    for b in branches:
+        b["data_examples"] = sum(sources.get(s, {}).get("train_examples", 0) for s in b["sources"])
+        b["data_tokens"] = sum(sources.get(s, {}).get("train_tokens", 0) for s in b["sources"])
+        b["epochs"] = b["examples"] / b["data_examples"] if b["examples"] and b["data_examples"] else None
+    groups = [b for b in branches if b["kind"] == "branch"]
+    for b in groups:
+        b["merge_weight"] = b["data_tokens"] / sum(g["data_tokens"] for g in groups)
+        seen = [g["tokens"] for g in groups]  # what weighting by tokens seen would give, for contrast
+        b["weight_by_tokens_seen"] = b["tokens"] / sum(seen) if all(seen) else None
+
+
+def _budget(cfg: RunConfig) -> dict[str, Any]:
+    t = cfg.train
+    if t.steps:
+        return {"steps": t.steps, "joint_steps": cfg.branch_count * t.steps, "global_batch": t.global_batch()}
+    return {"epochs": t.epochs, "global_batch": t.global_batch()}
+
+
+def _problems(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The run's checkpoints that exist but do not verify: reported, never silently left out."""
+    problems = []
+    for name, path in model_paths(cfg, run_dir).items():
+        if (path / MANIFEST).is_file() or (name != "theta0" and path.exists()):
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as err:
+                problems.append(f"{name}: {err}")
+    return problems
 
 
 def train_seconds(records: list[dict[str, Any]]) -> float | None:
@@ -212,9 +256,9 @@ def _merges(cfg: RunConfig, run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def _costs(
-    summary: dict[str, Any], branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]]
+    summary: dict[str, Any], branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]], hashed: dict[str, int]
 ) -> dict[str, Any]:
-    costs: dict[str, Any] = {}
+    costs: dict[str, Any] = {"hashing": hashed} if hashed["checkpoints"] else {}
     if "total_seconds" in summary:
         costs["calibration_seconds"] = summary["total_seconds"]
         costs["calibration_gradient_seconds"] = summary.get("gradient_seconds")
@@ -265,10 +309,20 @@ def _tables(
         rows = [[s, *(_r(m["sources"].get(s, {}).get("loss")) for m in models)] for s in sources]
         tables["per_source"] = {"headers": ["source", *(m["name"] for m in models)], "rows": rows}
     if branches:
-        keys = ["name", "kind", "sources", "tokens", "steps", "train_seconds", "last_loss"]
-        rows = [[_r(_brief(b[k]) if k == "sources" else b[k]) for k in keys] for b in branches]
-        headers = ["branch", "kind", "sources", "training tokens", "steps", "train seconds", "last training loss"]
-        tables["branches"] = {"headers": headers, "rows": rows}
+        columns = {
+            "name": "branch",
+            "kind": "kind",
+            "sources": "sources",
+            "data_tokens": "data tokens (n_k)",
+            "merge_weight": "merge weight",
+            "epochs": "epochs",
+            "steps": "steps",
+            "tokens": "tokens seen",
+            "train_seconds": "train seconds",
+            "last_loss": "last training loss",
+        }
+        rows = [[_r(_brief(b[k]) if k == "sources" else b.get(k)) for k in columns] for b in branches]
+        tables["branches"] = {"headers": list(columns.values()), "rows": rows}
     if "groups" in split:
         tokens = split.get("tokens", [None] * len(split["groups"]))
         rows = [[k, len(g), ", ".join(g), t] for k, (g, t) in enumerate(zip(split["groups"], tokens))]
@@ -345,13 +399,21 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             + ("; ".join(against) or "no joint baseline or θ0 evaluated")
             + ".",
         )
+    if problems := report.get("problems"):
+        intro = "Checkpoints of this run that exist but do not verify (left out of the evaluation):"
+        section("Problems", intro, "\n".join(f"- {p}" for p in problems))
     figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
     if "models" in tables:
         section("Models", figure.get("heldout_loss.png", ""), markdown_table(**tables["models"]))
     if "per_source" in tables:
         section("Per-source held-out loss", figure.get("per_source.png", ""), markdown_table(**tables["per_source"]))
     if "branches" in tables:
-        section("Branches", figure.get("training_curves.png", ""), markdown_table(**tables["branches"]))
+        section(
+            "Branches",
+            _budget_line(report.get("budget", {}), report["branches"]),
+            figure.get("training_curves.png", ""),
+            markdown_table(**tables["branches"]),
+        )
     if split := report.get("split"):
         variance = ", ".join(f"{100 * v:.1f} %" for v in split.get("explained_variance", []))
         facts = [
@@ -367,6 +429,27 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     if others:
         section("Other plots", "\n".join(f"- [{p}](../{p})" for p in others))
     return "\n".join(lines) + "\n"
+
+
+def _budget_line(budget: dict[str, Any], branches: list[dict[str, Any]]) -> str:
+    """The training budget and MERIT's merge weights, in words."""
+    if "epochs" in budget:
+        epochs = f"{budget['epochs']:g} epoch(s)"
+        spent = f"{epochs} over each branch's own data, the joint baseline {epochs} over all of it"
+    elif budget:
+        spent = f"{budget['steps']} steps per branch, {budget['joint_steps']} for the joint baseline"
+    else:
+        return ""
+    line = f"Budget: {spent}, global batch {budget['global_batch']}."
+    groups = [b for b in branches if "merge_weight" in b]
+    if groups:
+        weights = " / ".join(f"{b['merge_weight']:.3f}" for b in groups)
+        line += f" Token-weighted merges weight branch k by n_k, the tokens of its group's training data: {weights}"
+        if all(b.get("weight_by_tokens_seen") for b in groups):
+            seen = " / ".join(f"{b['weight_by_tokens_seen']:.3f}" for b in groups)
+            line += f" (by the tokens each branch saw it would be {seen})"
+        line += "."
+    return line
 
 
 def _cost_lines(costs: dict[str, Any]) -> list[str]:
@@ -389,6 +472,12 @@ def _cost_lines(costs: dict[str, Any]) -> list[str]:
         for name, m in costs.get("merges", {}).items()
         if m["seconds"] is not None
     ]
+    if hashed := costs.get("hashing"):
+        lines.append(
+            f"- checkpoint hashing: {hashed['write_bytes_hashed'] / 1e6:,.1f} MB when written, "
+            f"{hashed['verify_bytes_hashed'] / 1e6:,.1f} MB in {hashed['verifications']} verification(s) "
+            f"of {hashed['checkpoints']} checkpoint(s) (each is verified once, then only re-stat'ed)"
+        )
     return lines
 
 

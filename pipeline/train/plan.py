@@ -38,7 +38,8 @@ def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
 
 
 def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
-    """One branch per group of the split, each from θ0 with the ``train`` section as it is."""
+    """One branch per group of the split, each from θ0 with the ``train`` section as it is: by
+    default one epoch over its own group's data, as MERIT trains them."""
     init = init_path(cfg, run_dir)
     return [
         _spec(cfg, run_dir, str(k), init, group, branch_dir(run_dir, k))
@@ -47,8 +48,9 @@ def group_specs(cfg: RunConfig, run_dir: str | Path) -> list[BranchSpec]:
 
 
 def joint_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
-    """The baseline: every source in one branch with the K branches' total budget (K × steps at
-    the same batch), so merged and joint models have seen the same number of examples."""
+    """The baseline: every source in one branch with the K branches' total budget, so merged and
+    joint models have seen the same examples: ``train.epochs`` over all the data (the union of
+    the groups), or with ``train.steps`` K × steps at the same batch."""
     k, t = cfg.branch_count, cfg.train
     return _spec(
         cfg,
@@ -57,7 +59,7 @@ def joint_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
         init_path(cfg, run_dir),
         all_sources(run_dir),
         Path(run_dir) / JOINT,
-        steps=k * t.steps,
+        steps=t.steps and k * t.steps,
         timeout_s=k * t.timeout_s,
     )
 

@@ -8,27 +8,31 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data import Collator, Encoder, Example, load_split, read_manifest
+from pipeline.data import Collator, Encoder, Example, load_split
 
 
 class BatchOrder:
-    """Example ids (positions in a flat list over the branch's sources) for every step.
+    """Example ids for every step: the branch's examples in a seeded permutation per epoch, read
+    in order, so an epoch draws every example exactly once (without replacement) and sources
+    appear in proportion to their examples. Epoch e's permutation depends only on (seed, e)."""
 
-    ``tokens``: a source is drawn with probability proportional to its training tokens, then an
-    example uniformly inside it; ``uniform``: examples uniformly over all sources.
-    """
+    def __init__(self, examples: int, seed: int):
+        if examples < 1:
+            raise ValueError("a branch needs at least one training example")
+        self.examples, self.seed = examples, seed
+        self._recent: dict[int, np.ndarray] = {}
 
-    def __init__(self, sizes: list[int], tokens: list[int], sampling: str, seed: int):
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self.sizes, self.seed = np.asarray(sizes), seed
-        weights = np.asarray(tokens if sampling == "tokens" else sizes, dtype=np.float64)
-        self.source_p = weights / weights.sum()
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._recent:
+            if len(self._recent) >= 2:  # steps move forward: the oldest epoch is done with
+                del self._recent[min(self._recent)]
+            self._recent[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.examples)
+        return self._recent[epoch]
 
     def global_batch(self, step: int, size: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, step])
-        sources = rng.choice(len(self.sizes), size=size, p=self.source_p)
-        within = (rng.random(size) * self.sizes[sources]).astype(np.int64)
-        return self.offsets[sources] + within
+        positions = np.arange(step * size, (step + 1) * size)
+        epochs, within = np.divmod(positions, self.examples)
+        return np.concatenate([self._permutation(int(e))[within[epochs == e]] for e in np.unique(epochs)])
 
     def rank_batches(self, step: int, micro_batch: int, grad_accum: int, rank: int, world: int) -> list[np.ndarray]:
         """This rank's micro batches for ``step``: rank r takes every world-th micro batch."""
@@ -50,16 +54,10 @@ class BranchData:
     def for_branch(cls, spec: Any, processor: Any) -> BranchData:
         cfg = spec.config
         by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
-        manifest = read_manifest(spec.run_dir)["sources"]
-        order = BatchOrder(
-            [len(by_source[n]) for n in spec.sources],
-            [manifest[n]["train_tokens"] for n in spec.sources],
-            spec.train.sampling,
-            cfg.run.seed,
-        )
+        examples = [ex for name in spec.sources for ex in by_source[name]]
         return cls(
-            [ex for name in spec.sources for ex in by_source[name]],
-            order,
+            examples,
+            BatchOrder(len(examples), cfg.run.seed),
             Encoder(processor, cfg.data.max_length),
             Collator(processor.tokenizer.pad_token_id),
         )
@@ -68,7 +66,5 @@ class BranchData:
         self, step: int, micro_batch: int, grad_accum: int, rank: int = 0, world: int = 1
     ) -> list[list[Example]]:
         """This rank's micro batches of ``step``, as examples."""
-        return [
-            [self.examples[i] for i in ids.tolist()]
-            for ids in self.order.rank_batches(step, micro_batch, grad_accum, rank, world)
-        ]
+        batches = self.order.rank_batches(step, micro_batch, grad_accum, rank, world)
+        return [[self.examples[i] for i in ids.tolist()] for ids in batches]

@@ -6,30 +6,50 @@ import hashlib
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from pipeline.checkpoint import checkpoint_id, is_complete
+from pipeline.checkpoint import MANIFEST, CheckpointError, checkpoint_id, verify_checkpoint
 from pipeline.config import RunConfig, TrainSection
+from pipeline.data.prepare import active_sources, read_manifest
+from pipeline.hub import ModelNotFoundError, check_model_folder
+
+# Settings that change no number the branch computes: they may differ on a resumed run.
+NOT_IN_DIGEST = {"timeout_s", "checkpoint_every", "loader_workers", "gradient_checkpointing"}
 
 
 class BranchSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     run_dir: str  # holds config.yaml and the prepared data
-    init: str  # θ0: a checkpoint folder (or a hub id for real models)
+    init: str  # θ0: a checkpoint folder (ours, with a manifest, or a model as downloaded)
     sources: list[str]
     out_dir: str
     config: RunConfig  # resolved; the branch reads its model, data and train sections
+
+    @model_validator(mode="after")
+    def _fix_the_budget(self) -> BranchSpec:
+        """Turn ``train.epochs`` into optimizer steps once, from the prepared data: the step count
+        is then part of the spec (and its digest), so every rank and every resumed run agree."""
+        if self.train.steps is None:
+            steps = self.train.steps_for(self.examples())
+            train = self.train.model_copy(update={"steps": steps})
+            self.config = self.config.model_copy(update={"train": train})
+        return self
 
     @property
     def train(self) -> TrainSection:
         return self.config.train
 
+    def examples(self) -> int:
+        """The branch's training examples, as prepared."""
+        known = active_sources(read_manifest(self.run_dir))
+        return sum(known[s]["train_examples"] for s in self.sources if s in known)
+
     def digest(self) -> str:
         """What the branch's weights depend on: θ0's identity, the sources and every setting that
-        changes a number (not the timeout or the checkpoint interval, so those can change on resume)."""
+        changes a number (not the timeout, the checkpoint interval or how the work is done)."""
         cfg = self.config
-        train = cfg.train.model_dump(mode="json", exclude={"timeout_s", "checkpoint_every"})
+        train = cfg.train.model_dump(mode="json", exclude=NOT_IN_DIGEST)
         inputs = {
             "init": checkpoint_id(self.init),
             "sources": self.sources,
@@ -40,17 +60,19 @@ class BranchSpec(BaseModel):
 
     def validate_inputs(self) -> None:
         """Everything that can be checked before launching processes: fail in seconds, not later."""
-        from pipeline.data.prepare import active_sources, read_manifest
-
         known = active_sources(read_manifest(self.run_dir))
         unknown = sorted(set(self.sources) - set(known))
         if unknown or not self.sources:
-            raise ValueError(
-                f"branch {self.name}: unknown sources {unknown or '(none given)'}; prepared: {sorted(known)}"
-            )
-        local = Path(self.init)
-        if (local.exists() or self.config.model.name_or_path == "tiny") and not is_complete(local):
-            raise ValueError(f"branch {self.name}: init checkpoint {self.init} is missing or incomplete")
+            given = unknown or "(none given)"
+            raise ValueError(f"branch {self.name}: unknown sources {given}; prepared: {sorted(known)}")
+        init = Path(self.init)
+        try:
+            # Ours carry a manifest and are verified (once, then recorded, so the ranks need not
+            # hash it again); a model as downloaded needs a config and safetensors weights.
+            verify_checkpoint(init) if (init / MANIFEST).is_file() else check_model_folder(init)
+        except (CheckpointError, ModelNotFoundError) as err:
+            why = f"init checkpoint {self.init} is missing or incomplete: {err}"
+            raise ValueError(f"branch {self.name}: {why}") from None
         if not Path(self.train.deepspeed).is_file():
             raise ValueError(f"branch {self.name}: DeepSpeed config {self.train.deepspeed} not found")
 

@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.linalg import DEFAULT_SCHEDULE, iso
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, weighted_mean
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 
 
 class Params(MethodParams):
@@ -25,8 +26,8 @@ class Params(MethodParams):
     ns_schedule: list[tuple[float, float, float]] = Field(default_factory=lambda: list(DEFAULT_SCHEDULE))
 
 
-def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    mean = weighted_mean(task_vectors, weights)
+def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
+    mean = inputs.mean(weights)  # streamed: one input at a time, whatever K
     if mean.dim() != 2:
         return mean
     return params.scale * iso(mean, params.orthogonaliser, params.ns_scale, params.ns_schedule)

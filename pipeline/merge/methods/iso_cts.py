@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.linalg import polar
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, weighted_mean
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 
 
 class Params(MethodParams):
@@ -20,19 +21,20 @@ class Params(MethodParams):
     common: float = Field(0.8, gt=0.0, le=1.0)  # fraction of the rank kept for the common subspace
 
 
-def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    mean = weighted_mean(task_vectors, weights)
+def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
+    mean = inputs.mean(weights)
     if mean.dim() != 2:
         return mean
     rank = min(mean.shape)
     n_common = max(1, int(params.common * rank))
-    per_task = (rank - n_common) // task_vectors.shape[0]
+    per_task = (rank - n_common) // inputs.k
     u, s, vh = torch.linalg.svd(mean, full_matrices=False)
     us, ss, vs = [u[:, :n_common]], [s[:n_common]], [vh[:n_common].T]
     if per_task > 0:
         projector = us[0]
-        for w, tau in zip(weights.tolist(), task_vectors):
-            residual = w * tau - projector @ (projector.T @ (w * tau))
+        for k, w in enumerate(weights.tolist()):  # one task vector at a time
+            tau = inputs.task(k).mul_(w)
+            residual = tau - projector @ (projector.T @ tau)
             ut, st, vht = torch.linalg.svd(residual, full_matrices=False)
             us.append(ut[:, :per_task])
             ss.append(st[:per_task])

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.linalg import polar
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, weighted_mean
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 
 
 class Params(MethodParams):
     scale: float = 1.0  # α
 
 
-def merge(task_vectors: torch.Tensor, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    if task_vectors.dim() != 3:
-        return weighted_mean(task_vectors, weights)
-    k = task_vectors.shape[0]
-    rank = max(1, min(task_vectors.shape[1:]) // k)
+def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
+    if len(inputs.shape) != 2:
+        return inputs.mean(weights)
+    rank = max(1, min(inputs.shape) // inputs.k)
     us, ss, vs = [], [], []
-    for w, tau in zip(weights.tolist(), task_vectors):
-        u, s, vh = torch.linalg.svd(w * tau, full_matrices=False)
+    for k, w in enumerate(weights.tolist()):  # one task vector at a time: its top components are kept
+        u, s, vh = torch.linalg.svd(inputs.task(k).mul_(w), full_matrices=False)
         us.append(u[:, :rank])
         ss.append(s[:rank])
         vs.append(vh[:rank].T)

@@ -1,0 +1,93 @@
+"""Noticing a branch whose machine is gone.
+
+A spot machine taken away takes its Prefect worker and the branch's flow run with it: nobody is
+left to report the run as crashed, so the server shows it "Running" for ever and a merit run
+waiting on it would wait for ever. The branch flow therefore beats a heartbeat into the shared
+run directory (``<branch>/heartbeat.json``, every ``flow.heartbeat_s``), and the merit run, while
+it waits on that flow run, watches it: a run that is Running but whose heartbeat has not changed
+for ``flow.branch_stale_s`` (on the watcher's own clock, so machines' clocks need not agree) is
+set to Crashed and the branch task fails, so its retry starts a new flow run on another machine,
+which resumes from the checkpoints the lost one left. A run still waiting for a machine
+(Scheduled, Pending) is not stale: no machine has taken it yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.states import Crashed
+
+from pipeline.checkpoint import write_json_atomic
+
+HEARTBEAT = "heartbeat.json"
+POLL_S = 2.0
+
+
+@contextlib.contextmanager
+def heartbeat(folder: Path, flow_run_id: str, every_s: float) -> Iterator[None]:
+    """Beat ``folder/heartbeat.json`` from a thread while the block runs."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        beats = 0
+        while not stop.is_set():
+            beats += 1
+            info = {"flow_run": flow_run_id, "beats": beats, "host": socket.gethostname(), "pid": os.getpid()}
+            with contextlib.suppress(OSError):  # a hiccup of the shared file system: the next beat
+                write_json_atomic(folder / HEARTBEAT, info)
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class LostMachine(RuntimeError):
+    """A branch's flow run stopped beating: its machine is gone."""
+
+
+def wait_for(run: FlowRun, folder: Path, stale_s: float, timeout_s: float) -> FlowRun:
+    """Wait until ``run`` ends; mark it Crashed and raise :class:`LostMachine` when its heartbeat
+    stops, or :class:`TimeoutError` when it has run ``timeout_s`` (time in the queue not counted)."""
+    last_beat, since, started = None, time.monotonic(), None
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(run.id)
+            if run.state.is_final():
+                return run
+            now, beat = time.monotonic(), _beat_of(folder, str(run.id))
+            running = run.state.is_running()
+            started = started or (now if running else None)
+            if not running or beat != last_beat:
+                last_beat, since = beat, now
+            elif now - since > stale_s:
+                why = f"no heartbeat in {folder} for {stale_s:.0f} s: its machine is gone"
+                client.set_flow_run_state(run.id, Crashed(message=why), force=True)
+                raise LostMachine(f"flow run {run.name} ({run.id}): {why}")
+            if started and now - started > timeout_s:
+                why = f"no result after {timeout_s:.0f} s of running"
+                client.set_flow_run_state(run.id, Crashed(message=why), force=True)
+                raise TimeoutError(f"flow run {run.name} ({run.id}): {why}")
+            time.sleep(POLL_S)
+
+
+def _beat_of(folder: Path, flow_run_id: str) -> int | None:
+    """The beat count written by this flow run (not an earlier attempt's), if any."""
+    try:
+        info = json.loads((folder / HEARTBEAT).read_text())
+    except (OSError, ValueError):
+        return None
+    return info["beats"] if info.get("flow_run") == flow_run_id else None

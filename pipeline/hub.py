@@ -1,0 +1,73 @@
+"""Models named by a Hugging Face id or a folder: where their files are on this machine.
+
+Every stage reads θ0 as a local folder (the merge reader opens safetensors files, the Fisher and
+calibration stages load the model, the branches start from it), so a hub id is resolved once, to
+its snapshot in the local cache, through ``huggingface_hub``. Offline (``HF_HUB_OFFLINE=1``, as
+``make`` sets it) only the cache is looked at, and a model that is not there is an error that
+names the id and the command that downloads it: checked when a flow starts, before any training.
+Online, a missing snapshot is downloaded (weights as safetensors only, never pickles).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+from pipeline.config import ConfigError
+
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# A snapshot as transformers needs it: configs, tokenizer and processor files, safetensors weights.
+FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+
+
+class ModelNotFoundError(ConfigError):
+    """A model id or folder that does not lead to a loadable checkpoint on this machine."""
+
+
+def hub_cache() -> Path:
+    """The hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache)
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home) / "hub"
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+    """The local folder of a model folder or hub id; an error naming it when there is none."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return check_model_folder(path.resolve())
+    if not REPO_ID.fullmatch(name_or_path):
+        raise ModelNotFoundError(f"model {name_or_path}: no such folder, and not a Hugging Face id (organisation/name)")
+    cache = hub_cache()
+    try:
+        folder = snapshot_download(
+            name_or_path, revision=revision, cache_dir=cache, allow_patterns=FILES, local_files_only=offline()
+        )
+    except LocalEntryNotFoundError:
+        where = f"revision {revision} of " if revision else ""
+        raise ModelNotFoundError(
+            f"model {name_or_path}: {where}it is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set. "
+            f"Download it first: `hf download {name_or_path}` (with HF_HOME pointing at the cache every machine of "
+            "the run reads), or unset HF_HUB_OFFLINE to let the run download it"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise ModelNotFoundError(f"model {name_or_path}: cannot get it from the Hugging Face hub: {err}") from None
+    return check_model_folder(Path(folder))
+
+
+def check_model_folder(folder: Path) -> Path:
+    """A folder transformers can load: a config and safetensors weights (pickled weights are refused)."""
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"model folder {folder}: no config.json")
+    if not any(folder.glob("*.safetensors")):
+        raise ModelNotFoundError(f"model folder {folder}: no safetensors weights (pickled .bin files are refused)")
+    return folder

@@ -1,0 +1,170 @@
+"""The inputs of one tensor's merge, read lazily and in bounded memory.
+
+:class:`TensorInputs` holds K readers (one per model, or per DiLoCo pseudo-gradient), θ0's
+reader and, for the Fisher merge, K readers of Fisher values. A reader returns rows
+``[start, stop)`` of a stored tensor as stored (a safetensors slice: only those bytes are read).
+Methods see the inputs through four views, each in fp32 on the compute device:
+
+- ``combine(c, c0)``: Σ_k c_k x_k + c0 θ0, one input at a time (averages, Iso-C's mean);
+- ``task(k)``: τ_k = x_k − θ0, whole, one at a time (TSV, Iso-CTS);
+- ``block(i)``: the (K, n_i) task vectors of row block i (element-wise methods: TIES, DARE,
+  Fisher), whose fp32 size with θ0's rows stays under ``block_bytes``; a tensor that fits is one
+  block, read once and kept; a larger one (the 7B embedding: 545 M entries × K = 8 is 17 GB in
+  fp32) is read block by block, once per pass of the method;
+- ``fisher_block(i)``: the Fisher values of the same rows.
+
+So a merge holds at most one input tensor, θ0's and the output whole, plus one block: its peak
+memory grows with K only through the block, which the budget bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pipeline.merge.io import MergeInputError
+
+Reader = Callable[[int, int], torch.Tensor]  # rows [start, stop) of one input tensor, as stored
+
+
+def rows_of(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, entries per row): blocks are whole rows of the first dimension."""
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
+def tensor_reader(tensor: torch.Tensor) -> Reader:
+    """A reader over a tensor already in memory."""
+    flat = tensor.reshape(rows_of(tensor.shape))
+    return lambda start, stop: flat[start:stop]
+
+
+class Workspace:
+    """Scratch space reused from block to block and tensor to tensor within one merge:
+    allocating (K, n) fresh every time costs a page fault per 4 KiB, as much as the merge
+    arithmetic itself on CPU. Owned by one merge (never shared between threads)."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, device: str) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < numel or self.buffer.device != torch.device(device):
+            self.buffer = None
+            self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.buffer[:numel]
+
+
+class TensorInputs:
+    def __init__(
+        self,
+        name: str,
+        shape: Sequence[int],
+        inputs: Sequence[Reader],
+        labels: Sequence[str],
+        base: Reader | None = None,
+        base_label: str = "base model",
+        device: str = "cpu",
+        block_bytes: int = 1 << 30,
+        workspace: Workspace | None = None,
+        fishers: Sequence[Reader] | None = None,
+    ):
+        self.name, self.shape, self.device = name, tuple(shape), device
+        self.inputs, self.labels, self.base, self.base_label = list(inputs), list(labels), base, base_label
+        self.fishers, self.workspace = fishers, workspace or Workspace()
+        rows, per_row = rows_of(self.shape)
+        step = max(1, block_bytes // (4 * (len(self.inputs) + 1) * max(per_row, 1)))  # the K inputs and θ0
+        self.row_blocks = [(a, min(a + step, rows)) for a in range(0, rows, step)]
+        self.per_row = per_row
+        self._kept: tuple[int, torch.Tensor] | None = None  # the one block of a tensor that fits
+
+    @property
+    def k(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def blocks(self) -> range:
+        return range(len(self.row_blocks))
+
+    def span(self, i: int) -> slice:
+        """Block i's entries in the flattened tensor."""
+        a, b = self.row_blocks[i]
+        return slice(a * self.per_row, b * self.per_row)
+
+    def _read(self, reader: Reader, label: str, start: int, stop: int) -> torch.Tensor:
+        tensor = reader(start, stop).to(self.device)  # moved in the stored dtype (bf16: half the bytes)
+        # The sum first (one cheap reduction); a finite tensor whose sum overflows is not refused.
+        finite = not tensor.is_floating_point() or torch.isfinite(tensor.sum()) or torch.isfinite(tensor).all()
+        if not finite:
+            raise MergeInputError(f"{label}: tensor {self.name} contains NaN or Inf")
+        return tensor
+
+    def _whole(self, reader: Reader, label: str) -> torch.Tensor:
+        return self._read(reader, label, 0, rows_of(self.shape)[0]).reshape(self.shape)
+
+    def base_tensor(self) -> torch.Tensor:
+        return self._whole(self.base, self.base_label)
+
+    def combine(self, coefficients: Sequence[float], base_coefficient: float = 0.0) -> torch.Tensor:
+        """Σ_k c_k x_k + c0 θ0 in fp32, one input at a time; θ0 is read only when c0 ≠ 0."""
+        out = None
+        for c, reader, label in zip(coefficients, self.inputs, self.labels):
+            x = self._whole(reader, label)
+            # The first input is copied (never scaled in place: it may be the caller's tensor).
+            out = x.to(torch.float32, copy=True).mul_(c) if out is None else out.add_(x, alpha=c)
+        if self.base is not None and base_coefficient:
+            out.add_(self._whole(self.base, self.base_label), alpha=base_coefficient)
+        if not torch.isfinite(out.sum()):
+            raise MergeInputError(f"tensor {self.name}: the merged values overflow float32")
+        return out
+
+    def mean(self, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_k w_k τ_k (weights summing to 1): Σ_k w_k x_k − θ0."""
+        return self.combine(weights.tolist(), -1.0 if self.base is not None else 0.0)
+
+    def task(self, k: int) -> torch.Tensor:
+        """τ_k = x_k − θ0, whole, in fp32."""
+        x = self._whole(self.inputs[k], self.labels[k]).to(torch.float32, copy=True)  # never the caller's tensor
+        return x.sub_(self._whole(self.base, self.base_label)) if self.base is not None else x
+
+    def block(self, i: int) -> torch.Tensor:
+        """The (K, n_i) fp32 task vectors of block i: scratch space, which a method may overwrite
+        (then it must not ask for the block again)."""
+        if self._kept is not None and self._kept[0] == i:
+            return self._kept[1]
+        a, b = self.row_blocks[i]
+        n = (b - a) * self.per_row
+        stack = self.workspace.get(self.k * n, self.device).view(self.k, n)
+        for k, (reader, label) in enumerate(zip(self.inputs, self.labels)):
+            stack[k].copy_(self._read(reader, label, a, b).reshape(-1))
+        if self.base is not None:
+            stack.sub_(self._read(self.base, self.base_label, a, b).reshape(1, -1))
+        if len(self.row_blocks) == 1:
+            self._kept = (i, stack)
+        return stack
+
+    def forget(self) -> None:
+        """Drop the kept block (after a method overwrote it): the next ``block`` reads again."""
+        self._kept = None
+
+    def fisher_block(self, i: int) -> torch.Tensor | None:
+        """The (K, n_i) Fisher values of block i; None when the Fisher files lack this tensor."""
+        if self.fishers is None:
+            return None
+        a, b = self.row_blocks[i]
+        rows = [self._read(f, f"Fisher of {label}", a, b) for f, label in zip(self.fishers, self.labels)]
+        return torch.stack([r.reshape(-1).float() for r in rows])
+
+    def elementwise(
+        self, fn: Callable[[torch.Tensor, int], torch.Tensor], block: Callable[[int], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The merged tensor of an element-wise method: ``fn(block(i), i)`` gives block i's (n_i,)
+        entries; ``block`` defaults to the task vectors' (DARE passes its dropped ones)."""
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        for i in self.blocks:
+            out[self.span(i)] = fn((block or self.block)(i), i)
+        return out.view(self.shape)

@@ -1,0 +1,75 @@
+"""The instruction-tuning loss without full-vocabulary logits.
+
+Qwen2.5-VL's own ``forward(labels=...)`` projects every position onto the 151,936-word vocabulary
+and upcasts the logits to fp32: at 2,048 tokens that is 1.2 GB per sequence before the backward
+pass, although only the answer tokens (a small share of a sequence) carry labels. Here the
+decoder's hidden states are gathered at the supervised positions first and only those are
+projected, in chunks of ``CHUNK`` positions; with more than one chunk each chunk's logits are
+recomputed in the backward pass instead of kept (activation checkpointing of the head), so the
+peak is one chunk of logits whatever the number of answer tokens.
+
+Every consumer (the trainer, calibration, Fisher, evaluation) scores through here, so the loss a
+branch trains on is the loss it is evaluated with: next-token cross-entropy summed over the
+supervised positions, with the token count beside it for exact token-weighted means.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.data.encode import IGNORE_INDEX
+
+CHUNK = 1024  # positions per projection: 1024 × 151,936 fp32 logits = 0.6 GB
+
+
+def supervised_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states at the positions that predict a label, and those labels.
+    Position t predicts token t + 1, as in the model's own shifted loss."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
+    targets = batch["labels"][:, 1:].to(hidden.device)
+    keep = targets != IGNORE_INDEX
+    return hidden[keep], targets[keep]
+
+
+def chunks(n: int, chunk: int = CHUNK) -> list[slice]:
+    """Row ranges of at most ``chunk`` of ``n`` supervised positions (one, maybe empty, when n = 0)."""
+    return [slice(i, min(i + chunk, n)) for i in range(0, max(n, 1), chunk)]
+
+
+def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+def supervised_nll(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = CHUNK
+) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over the supervised positions (fp32, differentiable) and their number.
+    A batch without supervised positions gives an NLL of 0 that is still connected to the head,
+    so every rank runs the same modules (ZeRO-3 gathers weights collectively)."""
+    hidden, targets = supervised_hidden(model, batch)
+    parts = chunks(len(targets), chunk)
+    if len(parts) == 1:
+        return _chunk_nll(model.lm_head, hidden, targets), len(targets)
+    nll = sum(checkpoint(_chunk_nll, model.lm_head, hidden[rows], targets[rows], use_reentrant=False) for rows in parts)
+    return nll, len(targets)
+
+
+def mean_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean over supervised tokens, as the model's own ``loss`` (for a batch that has some)."""
+    nll, count = supervised_nll(model, batch)
+    return nll / max(count, 1)
+
+
+class SupervisedLoss(torch.nn.Module):
+    """A model whose forward returns ``(summed NLL, supervised tokens)``: the module DeepSpeed
+    wraps, so that ZeRO-3's hooks see the head's projection as part of the forward pass."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = CHUNK):
+        super().__init__()
+        self.model, self.chunk = model, chunk
+
+    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return supervised_nll(self.model, batch, self.chunk)

@@ -1,0 +1,119 @@
+"""What would fail late, checked before anything trains.
+
+A real run spends hours in its branches before it merges, evaluates and reports; a hub id not in
+the cache, a data path with a typo, a DeepSpeed key DeepSpeed refuses, a merge on a GPU the
+machine does not have, would each surface only then. :func:`check_run` looks at all of them in
+seconds and reports every problem at once; the flows call it first, ``merit check`` on its own.
+Record-level problems in the data are the prepare stage's (it reads every record, also before
+any training).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.config import ConfigError, RunConfig
+from pipeline.layout import base_path, is_tiny
+
+
+class PreflightError(ConfigError):
+    """Everything about a run that would fail later, named, one line each."""
+
+
+def check_run(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
+    """Raise :class:`PreflightError` listing every problem; return what was checked (a line each)."""
+    checked, problems = {}, []
+    for name, check in (
+        ("θ0", _theta0),
+        ("data", _data),
+        ("deepspeed", _deepspeed),
+        ("merges", _merges),
+        ("devices", _devices),
+    ):
+        try:
+            checked[name] = check(cfg, run_dir)
+        except (ConfigError, OSError, ValueError) as err:
+            problems.append(f"{name}: {err}")
+    if problems:
+        raise PreflightError(f"run {run_dir} would fail:\n  " + "\n  ".join(problems))
+    return checked
+
+
+def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
+    if is_tiny(cfg):
+        return "the tiny offline model, built by the init stage"
+    folder = Path(base_path(cfg, run_dir))  # a hub id not in the cache (offline) fails here, named
+    config = json.loads((folder / "config.json").read_text())
+    if not any("VL" in a or "ImageTextToText" in a for a in config.get("architectures", [])):
+        raise ConfigError(f"{folder} holds {config.get('architectures')}, not an image-text-to-text model")
+    return str(folder)
+
+
+def _data(cfg: RunConfig, run_dir: str | Path) -> str:
+    missing = []
+    for source in cfg.data.sources:
+        for what, path in (("path", source.path), ("images_dir", source.images_dir)):
+            if path is not None and not Path(path).exists():
+                missing.append(f"source '{source.name}' {what} {path} does not exist")
+    if missing:
+        raise ConfigError("; ".join(missing))
+    return f"{len(cfg.data.sources)} source entries found"
+
+
+def _deepspeed(cfg: RunConfig, run_dir: str | Path) -> str:
+    """The DeepSpeed config every branch will get, validated by DeepSpeed itself."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from pipeline.models.loading import checkpoint_dtype
+    from pipeline.train.engine import deepspeed_config
+
+    t = cfg.train
+    if not Path(t.deepspeed).is_file():
+        raise ConfigError(f"{t.deepspeed} not found")
+    raw = json.loads(Path(t.deepspeed).read_text())
+    owned = sorted({"optimizer", "scheduler"} & set(raw))
+    if owned:
+        raise ConfigError(
+            f"{t.deepspeed}: {owned} come from the train section (AdamW, warm-up and cosine); remove them"
+        )
+    try:
+        dtype = torch.float32 if is_tiny(cfg) else checkpoint_dtype(cfg.model, base_path(cfg, run_dir))
+    except ConfigError:  # θ0 not found: reported by its own check
+        dtype = torch.float32
+    config = deepspeed_config(t, t.processes, dtype)
+    try:
+        DeepSpeedConfig(config)
+    except Exception as err:  # DeepSpeed raises pydantic errors, asserts and ValueErrors alike
+        why = " ".join(line.strip() for line in str(err).splitlines() if "errors.pydantic.dev" not in line)
+        raise ConfigError(f"{t.deepspeed}: DeepSpeed refuses it: {why}") from None
+    stage, bf16 = config.get("zero_optimization", {}).get("stage", 0), config.get("bf16", {}).get("enabled", False)
+    return f"{t.deepspeed}: ZeRO {stage}, bf16 {bf16}"
+
+
+def _merges(cfg: RunConfig, run_dir: str | Path) -> str:
+    """Each entry as the merge stage will build it, over K placeholder branches: the merge spec's
+    own checks (θ0 for the methods that need it, Fisher inputs, weights) run now."""
+    from pipeline.merging import entry_spec, needs_fisher
+
+    k = cfg.branch_count
+    branches = [Path(f"branches/{i}/final") for i in range(k)]
+    for entry in cfg.merge.methods:
+        fishers = [Path(f"branches/{i}/fisher") for i in range(k)] if needs_fisher(entry) else None
+        entry_spec(cfg, entry, "θ0", branches, [1] * k, Path(f"merged/{entry.name}"), fishers)
+    return ", ".join(m.name for m in cfg.merge.methods)
+
+
+def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
+    gpus = torch.cuda.device_count()
+    wanted = {"merge.device": cfg.merge.device, "eval.device": cfg.eval.device or ""}
+    wanted |= {f"calibration.devices[{i}]": d for i, d in enumerate(cfg.calibration.devices or [])}
+    for key, device in wanted.items():
+        if device.startswith("cuda") and gpus <= (int(device.split(":")[1]) if ":" in device else 0):
+            raise ConfigError(f"{key} is {device}, but this machine has {gpus} GPU(s)")
+    # Branches on a deployment train on other machines; here they share this one's GPUs.
+    if gpus and not cfg.flow.branch_deployment and cfg.train.processes > gpus:
+        raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
+    return f"{gpus} GPU(s)" if gpus else "CPU only"

@@ -1,0 +1,111 @@
+"""The DeepSpeed engine of one rank: the process group, the model as this rank holds it, the
+optimizer and the schedule.
+
+Under ZeRO-3 the model is loaded partitioned (transformers' DeepSpeed integration: with a live
+``HfDeepSpeedConfig``, ``from_pretrained`` builds it under ``zero.Init`` and only rank 0 reads
+the checkpoint), so no rank ever holds the full weights. The engine trains the model wrapped in
+:class:`SupervisedLoss`, whose forward is the loss itself: no full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers.integrations import HfDeepSpeedConfig
+
+from pipeline.config import TrainSection
+from pipeline.models import load_model, load_processor
+from pipeline.models.loading import checkpoint_dtype
+from pipeline.models.loss import SupervisedLoss
+from pipeline.train.spec import BranchSpec
+
+
+@dataclass
+class Rank:
+    rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed() -> Rank:
+    """Join the branch's process group (torchrun's environment): NCCL on GPUs, gloo on CPU."""
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+    return Rank(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu"))
+
+
+def deepspeed_config(t: TrainSection, world: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The branch's DeepSpeed JSON with the batch sizes and clipping of its ``train`` section.
+    ``bf16.enabled: "auto"`` follows the model's dtype: bf16 weights train in DeepSpeed's bf16
+    mode (fp32 master weights), fp32 weights in fp32."""
+    config = json.loads(Path(t.deepspeed).read_text())
+    if config.get("bf16", {}).get("enabled") == "auto":
+        config["bf16"]["enabled"] = dtype == torch.bfloat16
+    return config | {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch * t.grad_accum * world,
+        "gradient_clipping": t.clip,
+    }
+
+
+def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
+    warmup = max(1, round(warmup_ratio * steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainSection) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters, linear warm-up then cosine decay (per optimizer step)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
+
+
+@dataclass
+class Engine:
+    engine: Any  # deepspeed.DeepSpeedEngine over SupervisedLoss(model)
+    model: Any  # the Hugging Face model inside it
+    processor: Any
+    scheduler: Any
+    zero3: Any = None  # keeps transformers' ZeRO-3 integration alive while the model lives
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+def build_engine(spec: BranchSpec, world: int) -> Engine:
+    cfg = spec.config
+    config = deepspeed_config(spec.train, world, checkpoint_dtype(cfg.model, spec.init))
+    zero3 = HfDeepSpeedConfig(config) if config.get("zero_optimization", {}).get("stage") == 3 else None
+    model = load_model(spec.init, cfg.model)
+    if zero3 is not None:
+        # transformers' ZeRO-3 loader keeps every key conversion of the model's mapping, used or
+        # not, and an unused prefix change then renames the saved keys (model.model.*): saving
+        # with the model's default mapping, as for a model loaded without ZeRO-3, is right.
+        model.__dict__.pop("_weight_conversions", None)
+    if spec.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer, scheduler = make_optimizer(model, spec.train)
+    engine, *_ = deepspeed.initialize(
+        model=SupervisedLoss(model), optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3)

@@ -1,0 +1,87 @@
+"""Step batches, encoded ahead of the step that trains on them.
+
+One item is one optimizer step of one rank: its micro batches, encoded and collated, with their
+token counts. A ``DataLoader`` over step numbers runs the encoding (the image processor, most of
+the cost) in ``train.loader_workers`` processes, ``PREFETCH`` steps ahead, so the rank only
+waits for the encoder when the encoder is slower than the step; the wait is measured and logged
+(``data_wait_s`` in ``metrics.jsonl``). The batches are a function of the step alone
+(``BatchOrder``), so a resumed run simply starts the loader at its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from pipeline.config import TrainSection
+from pipeline.data import IGNORE_INDEX, Encoded, Encoder, Example
+from pipeline.train.sampling import BranchData
+
+PREFETCH = 2  # steps each worker keeps ready
+
+
+@dataclass
+class StepBatch:
+    step: int
+    micro: list[dict[str, torch.Tensor]]  # collated micro batches of this rank
+    tokens: int  # input tokens of this rank's micro batches (padding excluded)
+    supervised: int  # of which carry a label
+
+    def pin_memory(self) -> StepBatch:  # called by the DataLoader's pinning thread on GPUs
+        pinned = [{k: v.pin_memory() for k, v in m.items()} for m in self.micro]
+        return StepBatch(self.step, pinned, self.tokens, self.supervised)
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Step ``s`` → this rank's :class:`StepBatch` for ``s``."""
+
+    def __init__(self, data: BranchData, train: TrainSection, rank: int, world: int):
+        self.data, self.train, self.rank, self.world = data, train, rank, world
+        self.filler = image_filler(data.encoder) if world > 1 else None
+
+    def __len__(self) -> int:
+        return self.train.steps
+
+    def __getitem__(self, step: int) -> StepBatch:
+        t = self.train
+        micro, tokens, supervised = [], 0, 0
+        for examples in self.data.micro_batches(step, t.micro_batch, t.grad_accum, self.rank, self.world):
+            encoded = self.data.encoder.encode_batch(examples)
+            tokens += sum(e.num_tokens for e in encoded)
+            supervised += sum(e.num_supervised for e in encoded)
+            if self.filler is not None and all(e.image_grid_thw is None for e in encoded):
+                encoded.append(self.filler)
+            micro.append(self.data.collator(encoded))
+        return StepBatch(step, micro, tokens, supervised)
+
+
+def step_batches(batches: StepBatches, start: int, pin_memory: bool) -> Iterator[StepBatch]:
+    """The step batches from ``start`` to the last step, prefetched by worker processes."""
+    workers = batches.train.loader_workers
+    loader = torch.utils.data.DataLoader(
+        batches,
+        batch_size=None,  # one item is already a whole step
+        sampler=range(start, len(batches)),
+        num_workers=workers,
+        prefetch_factor=PREFETCH if workers else None,
+        pin_memory=pin_memory,
+    )
+    return iter(loader)
+
+
+def image_filler(encoder: Encoder) -> Encoded:
+    """An example with one small image and no labels, added to a micro batch that has no image
+    when several ranks train. Without it that rank would skip the vision tower: ZeRO-2's gradient
+    buckets then differ between ranks (gloo aborts on the collective mismatch) and ZeRO-3, which
+    gathers each module's weights collectively, hangs. Without labels it changes no loss and no
+    gradient value; it only keeps every rank running the same modules in the same order."""
+    messages = [
+        {"role": "user", "content": [{"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+    ]
+    filler = encoder(Example("filler", 0, "filler", messages, [Image.new("RGB", (56, 56))]))
+    filler.labels.fill_(IGNORE_INDEX)
+    return filler

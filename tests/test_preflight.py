@@ -1,0 +1,90 @@
+"""θ0 named by a hub id or a plain folder, and the checks a flow runs before anything trains."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import hub_snapshot
+
+from pipeline.checkpoint import checkpoint_id
+from pipeline.cli import main as merit
+from pipeline.config import load_config
+from pipeline.hub import ModelNotFoundError, resolve_model
+from pipeline.layout import base_path
+from pipeline.preflight import PreflightError, check_run
+
+ROOT = Path(__file__).parent.parent
+REPO = "Qwen/Qwen2.5-VL-3B-Instruct"
+
+
+@pytest.fixture
+def hf_home(tiny_run, tmp_path, monkeypatch):
+    """A Hugging Face cache holding the tiny model as a downloaded snapshot of REPO, offline."""
+    _, run_dir = tiny_run
+    home = tmp_path / "hf"
+    snapshot = hub_snapshot(home, REPO, run_dir / "init")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return home, snapshot
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_with_a_machine_independent_identity(hf_home):
+    _, snapshot = hf_home
+    assert resolve_model(REPO) == snapshot
+    assert checkpoint_id(snapshot) == f"{REPO}@{snapshot.name}"  # the same on every machine's cache
+    cfg = load_config(ROOT / "configs" / "qwen2_5_vl_3b.yaml")
+    assert base_path(cfg, "unused") == str(snapshot)
+    with pytest.raises(
+        ModelNotFoundError, match=r"Qwen/Qwen2.5-VL-7B-Instruct: .*not in the Hugging Face cache.*hf download"
+    ):
+        resolve_model("Qwen/Qwen2.5-VL-7B-Instruct")
+    with pytest.raises(ModelNotFoundError, match="no such folder, and not a Hugging Face id"):
+        resolve_model("/no/such/model")
+
+
+def test_a_plain_folder_without_manifest_is_a_model_and_pickles_are_not(tiny_run, tmp_path):
+    _, run_dir = tiny_run
+    plain = tmp_path / "downloaded"
+    shutil.copytree(run_dir / "init", plain, ignore=shutil.ignore_patterns("manifest.json", ".*"))
+    assert resolve_model(str(plain)) == plain.resolve() and checkpoint_id(plain) == str(plain)
+    (plain / "model.safetensors").rename(plain / "pytorch_model.bin")
+    with pytest.raises(ModelNotFoundError, match="no safetensors weights"):
+        resolve_model(str(plain))
+
+
+def overrides(*more: str) -> list[str]:
+    return ["--set", f"model.name_or_path={REPO}", *[a for m in more for a in ("--set", m)]]
+
+
+def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
+    good = tmp_path / "ds.json"
+    good.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
+    run = ["check", str(ROOT / "configs/demo.yaml"), "--run-dir", str(tmp_path / "run")]
+    assert merit([*run, *overrides(f"train.deepspeed={good}")]) == 0
+    assert "θ0         ok: " + str(hf_home[1]) in capsys.readouterr().out
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 7}, "optimizer": {"type": "Adam"}}))
+    stage7 = tmp_path / "stage7.json"
+    stage7.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    cfg = load_config(
+        ROOT / "configs/demo.yaml",
+        [
+            "model.name_or_path=Org/Missing",
+            f"data.sources=[{{name: flan, format: vision_flan, path: {tmp_path}/none.json}}]",
+            f"train.deepspeed={bad}",
+            "merge.device=cuda",
+        ],
+    )
+    with pytest.raises(PreflightError) as err:
+        check_run(cfg, tmp_path / "run")
+    lines = str(err.value).splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["θ0", "data", "deepspeed", "devices"]
+    assert "Org/Missing" in lines[0] and "hf download Org/Missing" in lines[0]
+    assert "none.json does not exist" in lines[1] and "['optimizer'] come from the train section" in lines[2]
+    assert "merge.device is cuda, but this machine has 0 GPU(s)" in lines[3]
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"train.deepspeed={stage7}"])
+    with pytest.raises(PreflightError, match="DeepSpeed refuses it.*stage"):
+        check_run(cfg, tmp_path / "run")

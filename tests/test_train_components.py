@@ -1,0 +1,117 @@
+"""The trainer's components on their own: the data order, the prefetching loader, the loss
+without full-vocabulary logits, and the budget a spec resolves."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import small_config
+
+from calibration.split import SplitPlan
+from pipeline.cli import main as merit
+from pipeline.config import load_config
+from pipeline.data import Collator, Encoder, load_sources
+from pipeline.models import load_model
+from pipeline.models.loss import mean_nll, supervised_nll
+from pipeline.train import BranchSpec
+from pipeline.train.loader import StepBatches, step_batches
+from pipeline.train.plan import all_sources, group_specs, joint_spec
+from pipeline.train.sampling import BatchOrder, BranchData
+
+ROOT = Path(__file__).parent.parent
+SOURCES = ["colour_name", "add_digits", "caption"]
+
+
+def test_an_epoch_draws_every_example_once_and_the_order_is_a_function_of_the_step():
+    order = BatchOrder(10, seed=3)
+    first_epoch = np.concatenate([order.global_batch(s, 5) for s in range(2)])
+    assert sorted(first_epoch.tolist()) == list(range(10))  # without replacement
+    spanning = order.global_batch(1, 6)  # positions 6..11: the end of epoch 0, the start of epoch 1
+    assert spanning[:4].tolist() == first_epoch[6:].tolist() and len(set(spanning[4:])) == 2
+    assert np.array_equal(BatchOrder(10, seed=3).global_batch(7, 4), order.global_batch(7, 4))  # no state
+    assert not np.array_equal(BatchOrder(10, seed=4).global_batch(0, 10), first_epoch)
+    ranks = [order.rank_batches(2, micro_batch=2, grad_accum=2, rank=r, world=2) for r in range(2)]
+    together = np.concatenate([b for m in range(2) for b in (ranks[0][m], ranks[1][m])])
+    assert np.array_equal(together, order.global_batch(2, 8))  # the ranks split the step's examples
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("components")
+    settings = ["--set", "data.builtin.examples_per_source=20", "--set", "warmup.steps=0"]
+    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *settings]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    return run
+
+
+def spec(run_dir: Path, *overrides: str, sources=SOURCES) -> BranchSpec:
+    cfg = load_config(run_dir / "config.yaml", ["train.micro_batch=4", "train.grad_accum=2", *overrides])
+    init = str(run_dir / "init")
+    return BranchSpec(
+        name="b", run_dir=str(run_dir), init=init, sources=sources, out_dir=str(run_dir / "b"), config=cfg
+    )
+
+
+def test_epochs_resolve_into_steps_over_the_branch_data_and_the_joint_baseline_gets_all_of_it(run_dir):
+    branch = spec(run_dir, "train.epochs=2")
+    assert branch.examples() == 3 * 18  # 20 per source, 2 held out
+    assert branch.train.steps == -(-2 * 54 // 8)  # ceil(epochs × examples / global batch)
+    assert spec(run_dir, "train.steps=5").train.steps == 5  # steps override epochs
+    assert BranchSpec.model_validate_json(branch.model_dump_json()).digest() == branch.digest()
+
+    cfg = load_config(run_dir / "config.yaml", ["train.micro_batch=4", "train.grad_accum=2"])
+    everything = all_sources(run_dir)  # 18 sources of 18 training examples
+    SplitPlan([everything[:12], everything[12:]], [1, 1], 1, [1.0], "pca", 0).save(
+        run_dir / "calibration" / "split.json"
+    )
+    groups, joint = group_specs(cfg, run_dir), joint_spec(cfg, run_dir)
+    assert [g.train.steps for g in groups] == [-(-12 * 18 // 8), -(-6 * 18 // 8)]  # one epoch of each group
+    assert joint.sources == everything and joint.train.steps == -(-18 * 18 // 8)  # one epoch of all the data
+    steps = load_config(run_dir / "config.yaml", ["train.steps=3"])
+    assert joint_spec(steps, run_dir).train.steps == 2 * 3  # K × steps with the override
+
+
+def test_prefetching_workers_give_the_same_batches_and_a_resumed_loader_starts_at_its_step(run_dir, processor):
+    branch = spec(run_dir, "train.steps=4")
+    data = BranchData.for_branch(branch, processor)
+    inline = list(step_batches(StepBatches(data, branch.train, 0, 1), 0, pin_memory=False))
+    workers = branch.train.model_copy(update={"loader_workers": 2})
+    prefetched = list(step_batches(StepBatches(data, workers, 0, 1), 0, pin_memory=False))
+    resumed = list(step_batches(StepBatches(data, branch.train, 0, 1), 2, pin_memory=False))
+    assert [b.step for b in inline] == [0, 1, 2, 3] and [b.step for b in resumed] == [2, 3]
+    for a, b in [*zip(inline, prefetched), *zip(inline[2:], resumed)]:
+        assert (a.tokens, a.supervised, len(a.micro)) == (b.tokens, b.supervised, 2)
+        for x, y in zip(a.micro, b.micro):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    two_ranks = StepBatches(data, branch.train, 1, 2)[0]  # rank 1 of 2: a filler image where none
+    assert all("pixel_values" in m for m in two_ranks.micro)
+    assert two_ranks.supervised == sum(int((m["labels"] != -100).sum()) for m in two_ranks.micro)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_run, processor):
+    examples = load_sources(small_config().data, 0).examples
+    chosen = [examples["caption"][0], examples["add_digits"][1], examples["colour_name"][2]]
+    return Collator(processor.tokenizer.pad_token_id)(Encoder(processor, 256).encode_batch(chosen))
+
+
+def test_the_loss_without_full_logits_equals_the_models_own_in_value_and_gradient(tiny_run, batch):
+    cfg, run_dir = tiny_run
+    model = load_model(run_dir / "init", cfg.model)
+    own = model(**batch).loss
+    own.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    supervised = int((batch["labels"][:, 1:] != -100).sum())
+    for chunk in (1024, 7):  # one projection, and chunks recomputed in the backward pass
+        model.zero_grad()
+        nll, count = supervised_nll(model, batch, chunk=chunk)
+        assert count == supervised
+        torch.testing.assert_close(nll / count, own, rtol=1e-5, atol=1e-6)
+        (nll / count).backward()
+        for name, grad in reference.items():
+            torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(mean_nll(model, batch), own, rtol=1e-5, atol=1e-6)
+    unsupervised = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    nll, count = supervised_nll(model, unsupervised)
+    assert count == 0 and nll.item() == 0 and nll.requires_grad  # still part of the graph
