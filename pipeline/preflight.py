@@ -83,7 +83,7 @@ def _deepspeed(cfg: RunConfig, run_dir: str | Path) -> str:
         dtype = torch.float32 if is_tiny(cfg) else checkpoint_dtype(cfg.model, base_path(cfg, run_dir))
     except ConfigError:  # θ0 not found: reported by its own check
         dtype = torch.float32
-    config = deepspeed_config(t, t.processes, dtype)
+    config = deepspeed_config(t, 1, dtype)  # DeepSpeed checks the batch sizes against 1 rank outside a group
     try:
         DeepSpeedConfig(config)
     except Exception as err:  # DeepSpeed raises pydantic errors, asserts and ValueErrors alike

@@ -88,6 +88,30 @@ def hub_snapshot(hf_home: Path, repo_id: str, files: Path, revision: str = "0123
     return snapshot
 
 
+def vision_flan_corpus(folder: Path, tasks: list[str], per_task: int, image_size: int = 56) -> tuple[Path, Path]:
+    """Built-in image tasks written in Vision-FLAN's layout: one annotation JSON (``id``,
+    ``task_name``, ``image`` under the images folder, ``conversations``) and the images as files."""
+    from pipeline.config import BuiltinSection
+    from pipeline.data import builtin
+
+    images, records = folder / "images_191task_1k", []
+    images.mkdir(parents=True)
+    generated = builtin.generate(tasks, BuiltinSection(examples_per_source=per_task, image_size=image_size), 0)
+    for task, examples in generated.items():
+        for example in examples:
+            name = f"{task}_{example.index}.png"
+            example.load_images()[0].save(images / name)
+            question = next(c["text"] for c in example.messages[0]["content"] if c["type"] == "text")
+            conversation = [
+                {"from": "human", "value": f"<image>\n{question}"},
+                {"from": "gpt", "value": example.answer()},
+            ]
+            records.append(
+                {"id": f"{task}-{example.index}", "task_name": task, "image": name, "conversations": conversation}
+            )
+    return write_json(folder / "annotation_191-task_1k.json", records), images
+
+
 def write_image(path: Path, colour=(255, 0, 0), size=(64, 48)) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, colour).save(path)
