@@ -4,6 +4,7 @@ check through the API that the run completed and published its report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import is_complete
@@ -117,37 +119,118 @@ def test_deployment_run_by_a_worker_completes_and_publishes_the_report(server, t
     AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "token_average")
 
 
-def test_branches_fan_out_as_flow_runs_of_the_branch_deployment(server, tmp_path):
-    """flow.branch_deployment: every branch is a flow run of merit-branch/branch-local, picked up by
-    the pool's worker like any run (on a GPU pool: a machine each), while the merit run waits."""
-    run_dir = tmp_path / "run"
-    overrides = [*OVERRIDES, "flow.branch_deployment=merit-branch/branch-local"]
-    params = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
-    parent_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
-    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 (the worker's output until it ends)
-    worker = subprocess.Popen(
+FAN_OUT = [
+    *OVERRIDES,
+    "flow.branch_deployment=merit-branch/branch-local",
+    "train.steps=24",  # long enough for a machine to be lost between the first checkpoint and the end
+    "flow.heartbeat_s=1",
+    "flow.branch_stale_s=10",
+    "flow.retry_delay_s=0",
+]
+FINISHED = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def start_worker(server: dict, log: Path) -> subprocess.Popen:
+    """A process worker of the merit-local pool: on a GPU pool, one machine."""
+    return subprocess.Popen(
         [PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "3"],
-        env=server,
+        env={**server, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         cwd=ROOT,
-        stdout=log,
+        stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+@pytest.fixture(scope="module")
+def fanned_out(server, tmp_path_factory) -> tuple[Path, str]:
+    """flow.branch_deployment: every branch is a flow run of merit-branch/branch-local, picked up by
+    the pool's worker like any run (on a GPU pool: a machine each), while the merit run waits."""
+    tmp_path = tmp_path_factory.mktemp("fan-out")
+    run_dir = tmp_path / "run"
+    params = json.dumps({"overrides": FAN_OUT, "run_dir": str(run_dir)})
+    parent_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
+    worker = start_worker(server, tmp_path / "worker.log")
     try:
         deadline = time.monotonic() + 600
-        while (state := api(server, f"flow_runs/{parent_id}", None)["state"]["type"]) not in (
-            "COMPLETED",
-            "FAILED",
-            "CRASHED",
-        ):
+        while (state := api(server, f"flow_runs/{parent_id}", None)["state"]["type"]) not in FINISHED:
             assert time.monotonic() < deadline, "the merit run did not finish in 600 s"
             time.sleep(2)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=60)
-        log.close()
     assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
+    return run_dir, parent_id
+
+
+def test_branches_fan_out_as_flow_runs_of_the_branch_deployment(server, fanned_out):
+    run_dir, parent_id = fanned_out
     children = api(server, "flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}}})
     assert sorted(r["name"] for r in children) == ["branch-0", "branch-1"]
     assert all(r["state"]["type"] == "COMPLETED" and r["parameters"]["run_dir"] == str(run_dir) for r in children)
     assert is_complete(run_dir / "merged" / "token_average")
+    beat = json.loads((run_dir / "branches" / "0" / "heartbeat.json").read_text())
+    assert beat["flow_run"] in {r["id"] for r in children} and beat["beats"] >= 1
+
+
+def test_a_branch_whose_machine_is_lost_is_crashed_resubmitted_and_resumed(server, fanned_out, tmp_path):
+    """A spot machine taken away: SIGKILL the worker running the branches and everything it
+    started. Nobody reports their flow runs, which stay Running; the merit run notices the
+    silent heartbeat, crashes them, resubmits them to the pool, and a new worker's runs resume
+    from the checkpoints, ending with the same merged weights as the undisturbed run."""
+    reference, _ = fanned_out
+    run_dir = tmp_path / "run"
+    first = start_worker(server, tmp_path / "worker-1.log")
+    settings = [arg for override in FAN_OUT for arg in ("--set", override)]
+    merit_run = subprocess.Popen(
+        [str(Path(sys.executable).parent / "merit"), "run", "configs/demo.yaml", "--run-dir", str(run_dir), *settings],
+        env=server,
+        cwd=ROOT,
+        stdout=(tmp_path / "merit.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    second = None
+    try:
+        latest, deadline = run_dir / "branches" / "0" / "checkpoints" / "latest.json", time.monotonic() + 300
+        while not latest.is_file():
+            assert merit_run.poll() is None and time.monotonic() < deadline, (tmp_path / "merit.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.05)
+        lost = descendants(first.pid)
+        for pid in lost:  # the machine: the worker, its flow runs, their training processes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert not is_complete(run_dir / "branches" / "0" / "final")
+        second = start_worker(server, tmp_path / "worker-2.log")
+        assert merit_run.wait(timeout=600) == 0, (tmp_path / "merit.log").read_text()[-3000:]
+    finally:
+        merit_run.kill()
+        for worker in (first, second):
+            if worker is not None and worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGTERM)
+                worker.wait(timeout=60)
+    runs = api(server, "flow_runs/filter", {"flow_runs": {"name": {"any_": ["branch-0"]}}})
+    ours = [r for r in runs if r["parameters"]["run_dir"] == str(run_dir)]
+    states = sorted(r["state"]["type"] for r in ours)
+    assert states == ["COMPLETED", "CRASHED"], states
+    crashed = next(r for r in ours if r["state"]["type"] == "CRASHED")
+    assert "no heartbeat" in crashed["state"]["message"] and "machine is gone" in crashed["state"]["message"]
+    assert "branch 0: resumed from step" in (run_dir / "branches" / "0" / "train.log").read_text()
+    a, b = (load_file(d / "merged" / "token_average" / "model.safetensors") for d in (reference, run_dir))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
