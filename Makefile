@@ -5,20 +5,26 @@ BIN    := $(VENV)/bin
 # torch/torchvision are installed first, pinned to the pair known to work together on CPU
 # and GPU machines (see README); everything else comes from pyproject.toml lower bounds.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+EXTRAS ?= dev
 STAMP  := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test format clean
+.PHONY: setup install demo test format clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The one install recipe: this machine's .venv (make setup), and the GPU image (docker/Dockerfile:
+# make install VENV=/opt/venv EXTRAS=deploy), so CI's fresh set-up runs the image's commands too.
+install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+
+$(STAMP): pyproject.toml
+	$(MAKE) install
 	touch $(STAMP)
 
 demo: $(STAMP)

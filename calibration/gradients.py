@@ -122,12 +122,15 @@ def estimate_source_gradients(
     seed: int = 0,
     devices: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    checkpointing: bool = False,
 ) -> SourceGradients:
-    """The S × dim matrix of sketched per-source mean gradients (``examples`` already sampled)."""
+    """The S × dim matrix of sketched per-source mean gradients (``examples`` already sampled).
+    ``checkpointing``: recompute activations in the backward pass, as the branches do (at 7B a
+    batch of 8 long examples holds ~40 GB of activations otherwise)."""
     start = time.perf_counter()
     params = dict(model.named_parameters())
     sketch = Sketch(sketch_kind, [params[n].numel() for n in param_names], dim, seed)
-    replicas = _Replicas(model, param_names, devices or [str(next(model.parameters()).device)])
+    replicas = _Replicas(model, param_names, devices or [str(next(model.parameters()).device)], checkpointing)
     rows, used, tokens = [], {}, {}
     try:
         for name, items in examples.items():
@@ -155,14 +158,20 @@ class _Replicas:
     """The model on each device (data parallel over batches), with gradients enabled only for
     the chosen parameters; :meth:`restore` puts the caller's model back as it was."""
 
-    def __init__(self, model: torch.nn.Module, param_names: Sequence[str], devices: Sequence[str]):
-        self.model, self.names = model, list(param_names)
+    def __init__(
+        self, model: torch.nn.Module, param_names: Sequence[str], devices: Sequence[str], checkpointing: bool = False
+    ):
+        self.model, self.names, self.checkpointing = model, list(param_names), checkpointing
         self.saved = {n: p.requires_grad for n, p in model.named_parameters()}
         self.was_training = model.training
         wanted = set(self.names)
         for n, p in model.named_parameters():
             p.requires_grad_(n in wanted)
-        model.eval()
+        if checkpointing:
+            # transformers checkpoints layers only in train mode, which changes no number of a
+            # Qwen2.5-VL (its dropout rates are 0); it is switched back by restore().
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train(checkpointing)
         home = str(next(model.parameters()).device)
         self.models = [model if d == home and i == 0 else copy.deepcopy(model).to(d) for i, d in enumerate(devices)]
         self.devices = list(devices)
@@ -213,6 +222,8 @@ class _Replicas:
         for n, p in self.model.named_parameters():
             p.requires_grad_(self.saved[n])
             p.grad = None
+        if self.checkpointing:
+            self.model.gradient_checkpointing_disable()
         self.model.train(self.was_training)
 
 

@@ -71,6 +71,7 @@ class _Estimator:
                 self.cfg.run.seed,
                 self.devices,
                 progress=lambda _: bar.update(),
+                checkpointing=self.cfg.train.gradient_checkpointing,  # the branches' memory trade
             )
 
     def split(self, grads: SourceGradients, tokens: dict[str, int]) -> tuple[torch.Tensor, SplitPlan]:

@@ -240,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--examples", type=int, default=1024, help="examples to encode")
     bench.add_argument("--steps", type=int, default=10, help="training steps timed for the reference rate")
     bench.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    bench.add_argument("--like", help="a config whose image sizes, batch and loader workers the step loader takes")
+    bench.add_argument("--step-seconds", type=float, help="simulated training step (default: from the FLOPs below)")
+    bench.add_argument("--model-params", type=float, default=3.75e9, help="parameters of the simulated model")
+    bench.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the simulated step")
+    bench.add_argument("--peak-tflops", type=float, default=989.0, help="the simulated device's peak")
     bench = benches.add_parser("merge", help="merge throughput per method beside the streaming floor")
     bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
     bench.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
@@ -251,11 +256,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_run_options(benches.add_parser("train", help="branch trainer vs a plain PyTorch loop; 1 vs 2 ranks"))
     bench.add_argument("--steps", type=int, default=30, help="optimizer steps per measurement")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.add_argument("--size", choices=["tiny", "small", "3b"], help="model widths (default: 3b on cuda, else tiny)")
+    bench.add_argument(
+        "--size", choices=["tiny", "small", "medium", "3b"], help="model widths (default: 3b on cuda, else tiny)"
+    )
     bench.add_argument("--micro-batch", type=int, default=8, help="micro batch of the real-width run")
     bench.add_argument(
         "--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 bf16 dense: 989)"
     )
+    bench = add_run_options(benches.add_parser("memory", help="peak memory of every stage at a width, K = 2, 4, 8"))
+    bench.add_argument("--size", choices=["small", "medium", "3b"], default="medium", help="model widths")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the weights' dtype")
+    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of merged branches")
+    bench.add_argument("--methods", default="weighted_average,ties,dare,iso_c", help="comma-separated merge methods")
+    bench.add_argument("--steps", type=int, default=4, help="training steps of the train stage")
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")

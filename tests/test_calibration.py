@@ -101,6 +101,15 @@ def test_a_bf16_model_sketches_each_batch_in_fp32(setup):
     assert relative.max() < 0.05, relative
 
 
+def test_gradient_checkpointing_gives_the_same_gradients_and_is_switched_off_after(setup):
+    model, examples, encoder, collator = setup
+    sample = {s: examples[s][:6] for s in ("colour_name", "add_words")}
+    plain, _ = estimate(model, sample, encoder, collator, batch_size=3)
+    checkpointed, _ = estimate(model, sample, encoder, collator, batch_size=3, checkpointing=True)
+    torch.testing.assert_close(checkpointed.matrix, plain.matrix, rtol=1e-5, atol=1e-7)
+    assert not model.is_gradient_checkpointing and not model.training
+
+
 def test_nan_gradient_names_the_source(setup):
     _model, examples, encoder, collator = setup
     broken = build_tiny_model(small_config().model, 0)[0]

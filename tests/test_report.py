@@ -219,9 +219,8 @@ def test_full_report(full_run: Path):
     }
     assert "merge_weight" not in branches["joint"] and branches["joint"]["data_tokens"] == 10_000
     assert report["tables"]["branches"]["headers"][3:6] == ["data tokens (n_k)", "merge weight", "epochs"]
-    assert report["tables"]["branches"]["rows"][1] == [
-        "branch-0", "branch", "captions, vqa", 5000, 0.5, round(24 / 36, 4), 3, 3000, 40.0, 1.5
-    ]  # fmt: skip
+    row = ["branch-0", "branch", "captions, vqa", 5000, 0.5, round(24 / 36, 4), 3, 3000, 40.0, 1.5]
+    assert report["tables"]["branches"]["rows"][1] == row
     assert report["budget"] == {"epochs": 1.0, "global_batch": 8}
     markdown = (full_run / "report" / "report.md").read_text()
     assert "Budget: 1 epoch(s) over each branch's own data, the joint baseline 1 epoch(s) over all of it" in markdown

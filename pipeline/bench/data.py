@@ -1,23 +1,55 @@
 """``merit bench data``: encoding throughput on the built-in corpus beside the tiny model's
 training rate on the same examples, in the same run. Encoding must stay well ahead of training
-(target: ≥ 10× the training rate) so that it never limits training speed."""
+(target: ≥ 10× the training rate) so that it never limits training speed.
+
+Then the trainer's own step loader (``pipeline.train.loader``: a rank's micro batches of a step,
+encoded by ``train.loader_workers`` processes ahead of the step) against a training step that
+lasts as long as a real model's: ``--like configs/qwen2_5_vl_3b.yaml`` takes that config's image
+sizes, batch and loader workers, and a step lasts its FLOPs, 6 · N · tokens, at ``--mfu`` of
+``--peak-tflops`` (a GPU step leaves the CPU to the encoders, so it is slept here). The figure
+that matters is how long the rank waits for its next batch once the pipeline has filled.
+"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import statistics
 import time
 
 import torch
 
 from pipeline.cli import resolve_run
+from pipeline.config import RunConfig, load_config
 from pipeline.data import Collator, EncodedDataset, Encoder, load_split, prepare_data
+from pipeline.layout import base_path
 from pipeline.models import build_tiny_model, processor_for
+from pipeline.train import BranchSpec
+from pipeline.train.loader import StepBatches, step_batches
+from pipeline.train.plan import all_sources
+from pipeline.train.sampling import BranchData
 
 BATCH = 16
 
 
+def like(path: str) -> list[str]:
+    """Overrides that give the tiny run another config's image sizes, batch and loader workers."""
+    other = load_config(path)
+    side = math.isqrt(other.model.min_pixels)
+    return [
+        f"model.min_pixels={other.model.min_pixels}",
+        f"model.max_pixels={other.model.max_pixels}",
+        f"data.builtin.image_size={side}",  # drawn at the smallest size the processor keeps as it is
+        f"train.micro_batch={other.train.micro_batch}",
+        f"train.grad_accum={other.train.grad_accum}",
+        f"train.loader_workers={other.train.loader_workers}",
+    ]
+
+
 def main(args: argparse.Namespace) -> None:
+    if args.like:
+        args.overrides = [*args.overrides, *like(args.like)]
     cfg, run_dir = resolve_run(args)
     if cfg.model.name_or_path != "tiny":
         raise SystemExit(
@@ -58,6 +90,40 @@ def main(args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()
     print(f"tiny model training step:                {training:8.0f} examples/s  (AdamW, {threads} threads)")
     print(f"encoding / training:                     {max(cached, parallel) / training:8.1f}x  (target >= 10x)")
+    _step_loader(cfg, run_dir, processor, args)
+
+
+def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -> None:
+    """How long the trainer's step loader keeps the rank waiting while simulated steps run."""
+    t = cfg.train.model_copy(update={"steps": args.steps + 1, "processes": 1})
+    spec = BranchSpec(
+        name="bench",
+        run_dir=str(run_dir),
+        init=base_path(cfg, run_dir),
+        sources=all_sources(run_dir),
+        out_dir=str(run_dir / "bench"),
+        config=cfg.model_copy(update={"train": t}),
+    )
+    batches = step_batches(StepBatches(BranchData.for_branch(spec, processor), t, 0, 1), 0, pin_memory=False)
+    waits, step_s, tokens = [], 0.0, 0
+    for step in range(t.steps):
+        start = time.perf_counter()
+        tokens = next(batches).tokens
+        waits.append(time.perf_counter() - start)
+        step_s = args.step_seconds or 6 * args.model_params * tokens / (args.mfu * args.peak_tflops * 1e12)
+        if step:  # the first one fills the pipeline
+            time.sleep(step_s)
+    sides = math.isqrt(cfg.model.min_pixels), math.isqrt(cfg.model.max_pixels)
+    print(
+        f"step loader: micro batch {t.micro_batch} x {t.grad_accum}, {t.loader_workers} workers, "
+        f"images {cfg.data.builtin.image_size} px drawn ({sides[0]}-{sides[1]} px kept), {tokens} tokens a step"
+    )
+    rate = f"{args.model_params / 1e9:.2f} B parameters at {100 * args.mfu:.0f} % MFU of {args.peak_tflops:.0f} TFLOP/s"
+    print(
+        f"simulated step {step_s:.2f} s ({rate}): first batch {waits[0]:.2f} s, then the rank waits "
+        f"{1e3 * statistics.mean(waits[1:]):.1f} ms a step on average, {1e3 * max(waits[1:]):.1f} ms at most "
+        f"({len(waits) - 1} steps)"
+    )
 
 
 def _timed_encode(encoder: Encoder, examples: list) -> tuple[float, list]:

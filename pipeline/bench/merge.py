@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.merge import CheckpointReader, MergeSpec, merge_checkpoints
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 5632, 8192
@@ -78,33 +77,10 @@ def streaming_floor(paths: list[Path]) -> float:
     return time.perf_counter() - start
 
 
-class AnonymousPeak:
-    """Samples RssAnon from /proc/self/status in a background thread; ``peak`` in bytes."""
-
-    def __init__(self, interval: float = 0.01):
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
-
-    def _sample(self, interval: float) -> None:
-        while not self._stop.is_set():
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):
-                    self.peak = max(self.peak, int(line.split()[1]) * 1024)
-            time.sleep(interval)
-
-    def __enter__(self) -> AnonymousPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _measured(queue, work) -> None:
     with AnonymousPeak() as anon:
         result = work()
-    queue.put((result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, anon.peak))
+    queue.put((result, max_rss(), anon.peak))
 
 
 def _run_method(queue, method: str, base: Path, models: list[Path], out: Path, device: str) -> None:

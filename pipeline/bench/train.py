@@ -19,23 +19,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration
 
-from pipeline.checkpoint import save_pretrained_checkpoint
+from pipeline.bench.widths import build_theta0, width_overrides
 from pipeline.cli import resolve_run
 from pipeline.data import active_sources, load_split, prepare_data, read_manifest
 from pipeline.layout import base_path
 from pipeline.models import (
-    build_tiny_processor,
-    count_parameters,
     init_model,
     load_model,
     load_processor,
     processor_for,
 )
-from pipeline.models.loading import DTYPES
 from pipeline.models.loss import mean_nll
-from pipeline.models.tiny import tiny_config
 from pipeline.train import BranchSpec, train_branch
 from pipeline.train.engine import make_optimizer
 from pipeline.train.sampling import BranchData
@@ -72,36 +67,6 @@ def trainer_rate(spec: BranchSpec) -> float:
 def trainer_rate_from(out: Path) -> float:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["tokens_per_s"] for r in records[WARMUP_STEPS:])
-
-
-# Shapes for model.tiny: Qwen2.5-VL-3B's widths, and a small one for a CPU check of that path.
-SIZES = {
-    "3b": {
-        "hidden_size": 2048,
-        "intermediate_size": 11008,
-        "num_layers": 36,
-        "num_heads": 16,
-        "num_kv_heads": 2,
-        "vision_depth": 32,
-        "vision_hidden_size": 1280,
-        "vision_intermediate_size": 3420,
-        "vision_heads": 16,
-        "vision_window": 112,
-        "embedding_rows": 151936,
-    },
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_layers": 4,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "vision_depth": 8,
-        "vision_hidden_size": 64,
-        "vision_intermediate_size": 128,
-        "vision_heads": 2,
-        "vision_window": 112,
-    },
-}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -148,7 +113,7 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     cuda = args.device == "cuda"
     args.overrides = [
         *args.overrides,
-        *(f"model.tiny.{k}={v}" for k, v in SIZES[size].items()),
+        *width_overrides(size),
         f"model.dtype={'bfloat16' if cuda else 'float32'}",
         "model.min_pixels=200704",
         "model.max_pixels=200704",
@@ -162,26 +127,9 @@ def real_width(args: argparse.Namespace, size: str) -> None:
         "train.warmup_ratio=0.1",
     ]
     cfg, run_dir = resolve_run(args)
-    processor = build_tiny_processor(cfg.model, cfg.run.seed)
-    start = time.perf_counter()
-    with torch.device("cuda" if cuda else "cpu"):
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(cfg.model.tiny, processor.tokenizer)).to(
-            DTYPES[cfg.model.dtype]
-        )
-    n_vision = sum(p.numel() for p in model.model.visual.parameters())
-    n_total = count_parameters(model)["total"]
-    save_pretrained_checkpoint(
-        Path(run_dir) / "init",
-        model,
-        processor,
-        step=0,
-        tokens_seen=0,
-        parent=None,
-        config_digest=cfg.digest("model", "run"),
-        parameters=count_parameters(model),
-    )
-    del model
-    built = time.perf_counter() - start
+    built = build_theta0(cfg, run_dir, "cuda" if cuda else "cpu")
+    n_total, n_vision = built["total"], built["vision"]
+    processor = processor_for(cfg, run_dir)
     prepare_data(cfg, run_dir, processor)
     sources = list(active_sources(read_manifest(run_dir)))
     train = load_split(cfg, run_dir, "train", sources)
@@ -210,7 +158,7 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     print(
         f"micro batch {cfg.train.micro_batch}, {args.steps} steps, "
         f"image tokens {100 * image_share:.0f} % of the input; "
-        f"model built and saved in {built:.0f} s, branch trained in {trained:.0f} s"
+        f"model built and saved in {built['seconds']:.0f} s, branch trained in {trained:.0f} s"
     )
     print(f"tokens/s (median after {WARMUP_STEPS} steps): {rate:,.0f}")
     if args.peak_tflops:

@@ -1,20 +1,23 @@
-"""``metrics.jsonl``: one line per optimizer step, written by rank 0."""
+"""``metrics.jsonl``: one line per optimizer step, written by rank 0, with rank 0's peak memory."""
 
 from __future__ import annotations
 
 import json
-import resource
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.memory import AnonymousPeak, max_rss
+
 
 class MetricsLog:
     def __init__(self, path: Path, rank: int, resumed_at: int):
         self.path, self.rank = path, rank
+        self.memory = AnonymousPeak(interval=0.05)
         if rank == 0:
             self._truncate(resumed_at)
+            self.memory.start()  # a daemon thread: it samples until the rank exits
 
     def _truncate(self, step: int) -> None:
         """Drop records a killed run wrote after its last checkpoint: the resumed run rewrites them."""
@@ -25,12 +28,12 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(record | peak_memory()) + "\n")
+                fh.write(json.dumps(record | self.peaks()) + "\n")
 
-
-def peak_memory() -> dict[str, float]:
-    """This rank's peak resident memory and, on a GPU, its peak allocated device memory (MB)."""
-    peak = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    if torch.cuda.is_available():
-        peak["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    return peak
+    def peaks(self) -> dict[str, float]:
+        """Peak anonymous and total resident memory of this rank so far, and on a GPU its peak
+        allocated device memory (MB)."""
+        peaks = {"peak_anon_mb": round(self.memory.peak / 2**20, 1), "peak_rss_mb": round(max_rss() / 2**20, 1)}
+        if torch.cuda.is_available():
+            peaks["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return peaks

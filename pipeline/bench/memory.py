@@ -1,0 +1,154 @@
+"""``merit bench memory``: the peak memory of every stage at a given width, each measured in a
+fresh process so that its peak is its own: calibration, training steps (the real branch trainer,
+DeepSpeed, one rank), Fisher, evaluation, and merges for several K.
+
+On CPU the figure is the peak anonymous resident memory (what the stage allocates; the pages of
+memory-mapped checkpoints are the page cache's, shared and reclaimable), beside the baseline of a
+process that imported torch and transformers; on a GPU it is ``max_memory_allocated``. Bytes per
+parameter, (peak − baseline) / N, give the largest model whose weight-proportional memory fits a
+device; activations grow with the sequence, not N: the README's arithmetic covers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.bench.merge import run_in_process
+from pipeline.bench.widths import build_theta0, width_overrides
+from pipeline.cli import format_table, resolve_run
+from pipeline.config import RunConfig
+from pipeline.data import Collator, Encoder, load_split, prepare_data
+from pipeline.memory import AnonymousPeak
+from pipeline.models import load_model, load_processor, processor_for
+
+DEVICES_GB = (80, 141)  # A100 / H100 80 GB, H200
+
+
+def _measured(queue, stage, device: str, *args: Any) -> None:
+    """Run ``stage(*args)`` in this (fresh) process; put its peaks on ``queue``."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with AnonymousPeak() as anon:
+        stage(*args)
+    queue.put({"cpu": anon.peak, "cuda": torch.cuda.max_memory_allocated() if device == "cuda" else 0})
+
+
+def _baseline() -> None:
+    import transformers  # noqa: F401  (what every stage's process imports first)
+
+
+def _encoders(cfg: RunConfig, processor: Any) -> tuple[Encoder, Collator]:
+    return Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
+
+
+def _calibrate(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
+    from calibration.gradients import estimate_source_gradients, select_parameters
+
+    model = load_model(init, cfg.model).to(device)
+    sample = {name: items[:8] for name, items in list(load_split(cfg, run_dir, "train").items())[:2]}
+    encoder, collator = _encoders(cfg, load_processor(init, cfg.model))
+    names = select_parameters(model, cfg.calibration.params)
+    estimate_source_gradients(model, sample, encoder, collator, names, batch_size=4, devices=[device])
+
+
+def _fisher(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
+    from pipeline.fisher import estimate_fisher
+
+    examples = [items[0] for items in load_split(cfg, run_dir, "train").values()][:8]
+    encoder, collator = _encoders(cfg, load_processor(init, cfg.model))
+    batches = (collator([encoder(ex)]) for ex in examples)
+    estimate_fisher(load_model(init, cfg.model), batches, f"{run_dir}/bench/fisher", device=device)
+
+
+def _evaluate(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
+    from pipeline.eval import evaluate_model
+
+    evaluation = cfg.eval.model_copy(update={"device": device, "max_examples_per_source": 4})
+    evaluate_model(cfg.model_copy(update={"eval": evaluation}), run_dir, "bench", init, force=True)
+
+
+def _merge(init: str, branches: list[str], method: str, out: str, device: str) -> None:
+    from pipeline.merge import MergeSpec, merge_checkpoints
+
+    models = [{"path": b} for b in branches]
+    merge_checkpoints(MergeSpec(base_model=init, models=models, method=method, out_path=out, device=device), False)
+
+
+def _train(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
+    """Steps of the real branch trainer on one rank; the rank's own peaks, from its metrics."""
+    from pipeline.train import BranchSpec, train_branch
+    from pipeline.train.plan import all_sources
+
+    out = run_dir / "bench" / "train"
+    shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped
+    train = cfg.train.model_copy(update={"steps": steps, "processes": 1, "checkpoint_every": 10**9})
+    spec = BranchSpec(
+        name="bench",
+        run_dir=str(run_dir),
+        init=str(run_dir / "init"),
+        sources=all_sources(run_dir),
+        out_dir=str(out),
+        config=cfg.model_copy(update={"train": train}),
+    )
+    train_branch(spec, echo=False)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    return {"cpu": last["peak_anon_mb"] * 2**20, "cuda": last.get("peak_gpu_mb", 0) * 2**20}
+
+
+def _branches(run_dir: Path, k: int) -> list[str]:
+    """K copies of θ0, each moved a little: the merges' inputs."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(run_dir / "init" / "model.safetensors")
+    folders = [run_dir / "bench" / "branches" / str(i) for i in range(k)]
+    for i, folder in enumerate(folders):
+        if not (folder / "model.safetensors").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            g = torch.Generator().manual_seed(i)
+            moved = {n: t + (1e-3 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in weights.items()}
+            save_file(moved, str(folder / "model.safetensors"))
+            shutil.copy2(run_dir / "init" / "config.json", folder / "config.json")
+    return [str(f) for f in folders]
+
+
+def main(args: argparse.Namespace) -> None:
+    device = args.device
+    sizes = [*width_overrides(args.size), f"model.dtype={args.dtype}", "data.builtin.examples_per_source=16"]
+    args.overrides = [*args.overrides, *sizes]
+    cfg, run_dir = resolve_run(args)
+    init = str(run_dir / "init")
+    if not (run_dir / "init" / "model.safetensors").is_file():
+        build_theta0(cfg, run_dir)
+    prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
+    params = json.loads((run_dir / "init" / "manifest.json").read_text())["parameters"]["total"]
+    run, key = str(run_dir), "cuda" if device == "cuda" else "cpu"
+    stages: list[tuple[str, Any]] = [
+        ("calibrate", lambda: run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
+        ("train steps", lambda: _train(cfg, run_dir, args.steps)),
+        ("fisher", lambda: run_in_process(_measured, _fisher, device, cfg, init, run, device)),
+        ("evaluate", lambda: run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
+    ]
+    for k in args.k:
+        branches = _branches(run_dir, k)
+        for method in args.methods.split(","):
+            out = f"{run}/bench/merged"
+            merge = (_measured, _merge, device, init, branches, method, out, device)
+            stages.append((f"merge {method}, K={k}", lambda merge=merge: run_in_process(*merge)))
+    baseline = run_in_process(_measured, _baseline, device)[key]
+    rows = []
+    for stage, measure in stages:
+        peak = measure()[key]
+        per_param = max(peak - baseline, 0) / params
+        fits = [f"{(gb * 1e9 - baseline) / per_param / 1e9:,.1f} B" if per_param else "any" for gb in DEVICES_GB]
+        rows.append([stage, round(peak / 2**20), round((peak - baseline) / 2**20), round(per_param, 2), *fits])
+    what = "peak GPU memory allocated" if device == "cuda" else "peak anonymous resident memory"
+    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}: {what}")
+    print(f"baseline (a process with torch and transformers imported): {baseline / 2**20:,.0f} MB")
+    headers = ["stage", "peak MB", "above baseline MB", "bytes / param", *(f"fits {gb} GB up to" for gb in DEVICES_GB)]
+    print(format_table(headers, rows))
