@@ -108,7 +108,7 @@ def ties(
         threshold = torch.zeros(rows, 1, device=device)
     w = weights.to(device).view(-1, 1)
     out = torch.empty(n, dtype=torch.float32, device=device)
-    sign_balance, ties_at_zero = 0.0, []
+    sign_balance, cancelled = 0.0, {}
     for i in inputs.blocks:
         flat, start = block(i), inputs.span(i).start
         for cols in _chunks(flat):
@@ -118,18 +118,23 @@ def ties(
             sign = weighted.sum(0).sign()
             sign_balance += float(sign.sum())
             zero = sign == 0
-            if zero.any():  # exact cancellations: their sign is the tensor's majority, known at the end
-                ties_at_zero.append((i, cols, zero.nonzero().view(-1)))
+            # Kept entries that cancel exactly take the tensor's majority sign, known only at the
+            # end: note where they are (an entry nobody kept is 0 whatever the sign).
+            exact = zero & (trimmed != 0).any(0)
+            if exact.any():
+                cancelled.setdefault(i, []).append((cols, exact.nonzero().view(-1)))
             out[start + cols.start : start + cols.stop] = _disjoint_mean(
                 trimmed, weighted, w, torch.where(zero, 1.0, sign)
             )
     majority = (sign_balance > 0) - (sign_balance < 0)
-    if majority != 1:  # the zero entries were computed with +1: redo them with the real majority
-        for i, cols, positions in ties_at_zero:
-            chunk = block(i)[:, cols][:, positions]
-            trimmed = chunk * (chunk.abs() >= threshold)
-            sign = torch.full((len(positions),), float(majority), device=device)
-            out[inputs.span(i).start + cols.start + positions] = _disjoint_mean(trimmed, trimmed * w, w, sign)
+    if majority != 1:  # the cancelled entries were computed with +1: redo them with the real majority
+        for i, places in cancelled.items():
+            flat, start = block(i), inputs.span(i).start  # each block read once more at most
+            for cols, positions in places:
+                chunk = flat[:, cols][:, positions]
+                trimmed = chunk * (chunk.abs() >= threshold)
+                sign = torch.full((len(positions),), float(majority), device=device)
+                out[start + cols.start + positions] = _disjoint_mean(trimmed, trimmed * w, w, sign)
     return out.mul_(scale).view(inputs.shape)
 
 
