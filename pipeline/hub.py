@@ -52,12 +52,13 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
         folder = snapshot_download(
             name_or_path, revision=revision, cache_dir=cache, allow_patterns=FILES, local_files_only=offline()
         )
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError:  # offline, or online with the hub out of reach
         where = f"revision {revision} of " if revision else ""
+        why = "HF_HUB_OFFLINE is set" if offline() else "the hub cannot be reached"
         raise ModelNotFoundError(
-            f"model {name_or_path}: {where}it is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set. "
+            f"model {name_or_path}: {where}it is not in the Hugging Face cache {cache} and {why}. "
             f"Download it first: `hf download {name_or_path}` (with HF_HOME pointing at the cache every machine of "
-            "the run reads), or unset HF_HUB_OFFLINE to let the run download it"
+            "the run reads)" + (", or unset HF_HUB_OFFLINE to let the run download it" if offline() else "")
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise ModelNotFoundError(f"model {name_or_path}: cannot get it from the Hugging Face hub: {err}") from None

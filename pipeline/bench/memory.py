@@ -2,11 +2,15 @@
 fresh process so that its peak is its own: calibration, training steps (the real branch trainer,
 DeepSpeed, one rank), Fisher, evaluation, and merges for several K.
 
-On CPU the figure is the peak anonymous resident memory (what the stage allocates; the pages of
-memory-mapped checkpoints are the page cache's, shared and reclaimable), beside the baseline of a
-process that imported torch and transformers; on a GPU it is ``max_memory_allocated``. Bytes per
-parameter, (peak − baseline) / N, give the largest model whose weight-proportional memory fits a
-device; activations grow with the sequence, not N: the README's arithmetic covers them.
+On CPU two figures: the peak resident memory (ru_maxrss), and the peak anonymous resident memory
+(what the stage allocates itself). A model stage is counted by the first: transformers keeps
+weights loaded in their stored dtype memory-mapped from the checkpoint, so they are resident but
+not anonymous. A merge is counted by the second: it maps its K input files and its resident
+memory would count their pages, which are the page cache's, shared and reclaimable, and not
+what the merge holds. On a GPU the figure is ``max_memory_allocated``. All beside the baseline
+of a process that imported torch and transformers. Bytes per parameter, (peak − baseline) / N,
+give the largest model whose weight-proportional memory fits a device; activations grow with the
+sequence, not N: the README's arithmetic covers them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pipeline.bench.widths import build_theta0, width_overrides
 from pipeline.cli import format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, load_split, prepare_data
-from pipeline.memory import AnonymousPeak
+from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.models import load_model, load_processor, processor_for
 
 DEVICES_GB = (80, 141)  # A100 / H100 80 GB, H200
@@ -36,7 +40,9 @@ def _measured(queue, stage, device: str, *args: Any) -> None:
         torch.cuda.reset_peak_memory_stats()
     with AnonymousPeak() as anon:
         stage(*args)
-    queue.put({"cpu": anon.peak, "cuda": torch.cuda.max_memory_allocated() if device == "cuda" else 0})
+    queue.put(
+        {"anon": anon.peak, "rss": max_rss(), "cuda": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
+    )
 
 
 def _baseline() -> None:
@@ -98,7 +104,9 @@ def _train(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
     )
     train_branch(spec, echo=False)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    return {"cpu": last["peak_anon_mb"] * 2**20, "cuda": last.get("peak_gpu_mb", 0) * 2**20}
+    return {
+        key: last.get(f"peak_{name}_mb", 0) * 2**20 for key, name in (("anon", "anon"), ("rss", "rss"), ("cuda", "gpu"))
+    }
 
 
 def _branches(run_dir: Path, k: int) -> list[str]:
@@ -127,28 +135,31 @@ def main(args: argparse.Namespace) -> None:
         build_theta0(cfg, run_dir)
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
     params = json.loads((run_dir / "init" / "manifest.json").read_text())["parameters"]["total"]
-    run, key = str(run_dir), "cuda" if device == "cuda" else "cpu"
-    stages: list[tuple[str, Any]] = [
-        ("calibrate", lambda: run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
-        ("train steps", lambda: _train(cfg, run_dir, args.steps)),
-        ("fisher", lambda: run_in_process(_measured, _fisher, device, cfg, init, run, device)),
-        ("evaluate", lambda: run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
+    run = str(run_dir)
+    stages: list[tuple[str, str, Any]] = [  # (stage, what counts on CPU, measure)
+        ("calibrate", "rss", lambda: run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
+        ("train steps", "rss", lambda: _train(cfg, run_dir, args.steps)),
+        ("fisher", "rss", lambda: run_in_process(_measured, _fisher, device, cfg, init, run, device)),
+        ("evaluate", "rss", lambda: run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
     ]
     for k in args.k:
         branches = _branches(run_dir, k)
         for method in args.methods.split(","):
-            out = f"{run}/bench/merged"
-            merge = (_measured, _merge, device, init, branches, method, out, device)
-            stages.append((f"merge {method}, K={k}", lambda merge=merge: run_in_process(*merge)))
-    baseline = run_in_process(_measured, _baseline, device)[key]
+            merge = (_measured, _merge, device, init, branches, method, f"{run}/bench/merged", device)
+            stages.append((f"merge {method}, K={k}", "anon", lambda merge=merge: run_in_process(*merge)))
+    baseline = run_in_process(_measured, _baseline, device)
     rows = []
-    for stage, measure in stages:
-        peak = measure()[key]
-        per_param = max(peak - baseline, 0) / params
-        fits = [f"{(gb * 1e9 - baseline) / per_param / 1e9:,.1f} B" if per_param else "any" for gb in DEVICES_GB]
-        rows.append([stage, round(peak / 2**20), round((peak - baseline) / 2**20), round(per_param, 2), *fits])
-    what = "peak GPU memory allocated" if device == "cuda" else "peak anonymous resident memory"
-    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}: {what}")
-    print(f"baseline (a process with torch and transformers imported): {baseline / 2**20:,.0f} MB")
-    headers = ["stage", "peak MB", "above baseline MB", "bytes / param", *(f"fits {gb} GB up to" for gb in DEVICES_GB)]
+    for stage, counted, measure in stages:
+        peaks = measure()
+        key = "cuda" if device == "cuda" else counted
+        per_param = max(peaks[key] - baseline[key], 0) / params
+        fits = [f"{(gb * 1e9 - baseline[key]) / per_param / 1e9:,.1f} B" if per_param else "any" for gb in DEVICES_GB]
+        mb = [round(peaks[k] / 2**20) for k in (("cuda",) if device == "cuda" else ("rss", "anon"))]
+        rows.append([stage, *mb, key, round(per_param, 2), *fits])
+    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}")
+    kinds = ("cuda",) if device == "cuda" else ("rss", "anon")
+    at_rest = ", ".join(f"{k} {baseline[k] / 2**20:,.0f} MB" for k in kinds)
+    print(f"baseline (a process with torch and transformers imported): {at_rest}")
+    peaks = ["peak GPU MB"] if device == "cuda" else ["peak resident MB", "peak anonymous MB"]
+    headers = ["stage", *peaks, "counted", "bytes / param", *(f"fits {gb} GB up to" for gb in DEVICES_GB)]
     print(format_table(headers, rows))

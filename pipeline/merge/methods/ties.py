@@ -119,22 +119,25 @@ def ties(
             sign_balance += float(sign.sum())
             zero = sign == 0
             # Kept entries that cancel exactly take the tensor's majority sign, known only at the
-            # end: note where they are (an entry nobody kept is 0 whatever the sign).
-            exact = zero & (trimmed != 0).any(0)
-            if exact.any():
-                cancelled.setdefault(i, []).append((cols, exact.nonzero().view(-1)))
+            # end: note the chunks that have some (an entry nobody kept is 0 whatever the sign).
+            # Only their places, no tensor: small tensors kept between the large temporaries of
+            # every chunk would fragment the heap by about a chunk's worth each.
+            if (zero & (trimmed != 0).any(0)).any():
+                cancelled.setdefault(i, []).append(cols)
             out[start + cols.start : start + cols.stop] = _disjoint_mean(
                 trimmed, weighted, w, torch.where(zero, 1.0, sign)
             )
     majority = (sign_balance > 0) - (sign_balance < 0)
     if majority != 1:  # the cancelled entries were computed with +1: redo them with the real majority
-        for i, places in cancelled.items():
+        for i, chunks in cancelled.items():
             flat, start = block(i), inputs.span(i).start  # each block read once more at most
-            for cols, positions in places:
-                chunk = flat[:, cols][:, positions]
-                trimmed = chunk * (chunk.abs() >= threshold)
-                sign = torch.full((len(positions),), float(majority), device=device)
-                out[start + cols.start + positions] = _disjoint_mean(trimmed, trimmed * w, w, sign)
+            for cols in chunks:
+                trimmed = flat[:, cols] * (flat[:, cols].abs() >= threshold)
+                weighted = trimmed * w
+                exact = (weighted.sum(0) == 0) & (trimmed != 0).any(0)
+                sign = torch.full((int(exact.sum()),), float(majority), device=device)
+                mean = _disjoint_mean(trimmed[:, exact], weighted[:, exact], w, sign)
+                out[start + cols.start : start + cols.stop][exact] = mean
     return out.mul_(scale).view(inputs.shape)
 
 
