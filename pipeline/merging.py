@@ -42,12 +42,6 @@ def group_tokens(run_dir: str | Path, groups: list[list[str]]) -> list[int]:
     return [sum(sources[s]["train_tokens"] for s in group) for group in groups]
 
 
-def merge_weights(run_dir: str | Path) -> list[float]:
-    """MERIT's merge weights n_k / Σ n_j of the run's branches."""
-    tokens = group_tokens(run_dir, split_groups(run_dir))
-    return [t / sum(tokens) for t in tokens]
-
-
 def find_entry(cfg: RunConfig, name: str) -> MergeEntry:
     entry = next((m for m in cfg.merge.methods if m.name == name), None)
     if entry is None:

@@ -3,8 +3,6 @@
 import copy
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ from conftest import small_config
 from calibration.errors import CalibrationError, SplitError
 from calibration.gradients import Sketch, calibration_sample, estimate_source_gradients, select_parameters
 from calibration.split import conflict_matrix, plan_split
+from pipeline.cli import main as merit
 from pipeline.data import Collator, Encoder, load_sources
 from pipeline.data.builtin import CONFLICTS
 from pipeline.models import build_tiny_model, load_model
@@ -201,41 +200,24 @@ def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
     assert [(a, b) for a, b in CONFLICTS if group[a] == group[b]] == []
 
 
-def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
+def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     common = ["--run-dir", str(tmp_path), "--set", "data.builtin.examples_per_source=12", "--set", "warmup.steps=0"]
     for stage in ("init", "prepare"):
-        subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", stage, "configs/demo.yaml", *common],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "calibrate",
-            "--run-dir",
-            str(tmp_path),
-            "--diagnostics",
-            "--set",
-            "calibration.n_per_source=12",
-            "--set",
-            "calibration.resamples=2",
-            "--set",
-            "calibration.reference_n=16",
-            "--set",
-            "calibration.r=2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        assert merit([stage, "configs/demo.yaml", *common]) == 0
+    capsys.readouterr()
+    settings = [
+        "calibration.n_per_source=12",
+        "calibration.resamples=2",
+        "calibration.reference_n=16",
+        "calibration.r=2",
+    ]
+    code = merit(
+        ["calibrate", "--run-dir", str(tmp_path), "--diagnostics", *(a for s in settings for a in ("--set", s))]
     )
-    assert run.returncode == 0, run.stderr
-    assert "fewer than n=12" in run.stdout  # 12 examples, 10 of them for training
+    run = capsys.readouterr()
+    assert code == 0, run.err
+    assert "fewer than n=12" in run.out  # 12 examples, 10 of them for training
     out = tmp_path / "calibration"
     split = json.loads((out / "split.json").read_text())
     assert len(split["groups"]) == 4 and split["r"] == 2 and split["method"] == "pca"
@@ -246,11 +228,5 @@ def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path):
     assert 0 <= summary["diagnostics"]["mean_ari"] <= 1 and summary["gradient_seconds"] > 0
     for png in ("conflicts.png", "axes.png", "explained_variance.png", "accuracy_vs_n.png"):
         assert (out / png).stat().st_size > 10_000
-    bad = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "calibrate", "--run-dir", str(tmp_path), "--set", "calibration.r=5"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert bad.returncode == 2 and "2^r = 32 groups but there are only 18 sources" in bad.stderr
+    assert merit(["calibrate", "--run-dir", str(tmp_path), "--set", "calibration.r=5"]) == 2
+    assert "2^r = 32 groups but there are only 18 sources" in capsys.readouterr().err

@@ -1,10 +1,14 @@
-"""The `merit` command as a user runs it (a real subprocess)."""
+"""The `merit` command: its entry point as a real subprocess once, then its commands in-process
+(``pipeline.cli.main``, the same function, without paying the imports again)."""
 
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import yaml
+
+from pipeline.cli import main
 
 ROOT = Path(__file__).parent.parent
 SMALL = ["--set", "data.builtin.examples_per_source=10", "--set", "warmup.steps=0"]
@@ -16,7 +20,16 @@ def merit(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path):
+def merit_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    merit = partial(merit_in_process, capsys)
     init = merit("init", "configs/demo.yaml", "--run-dir", str(tmp_path), *SMALL)
     assert init.returncode == 0, init.stderr
     assert "θ0:" in init.stdout and "parameters" in init.stdout
@@ -48,7 +61,9 @@ def test_bad_override_exits_2_naming_the_key(tmp_path):
     assert "data.max_lenght" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_bad_data_exits_2_naming_file_and_record(tmp_path):
+def test_bad_data_exits_2_naming_file_and_record(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    merit = partial(merit_in_process, capsys)
     data = tmp_path / "d.json"
     data.write_text('[{"conversations": [{"from": "alien", "value": "x"}]}]')
     sources = f'data.sources=[{{name: d, format: llava, path: "{data}"}}]'

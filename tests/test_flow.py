@@ -1,20 +1,16 @@
 """The MERIT flow end to end on a temporary Prefect API: real DeepSpeed branches, merges,
-evaluation, report and artifacts; re-runs that redo nothing; a SIGKILLed branch that a task
-retry resumes; a branch that fails for good."""
+evaluation, report and artifacts; re-runs that redo nothing; a branch that fails for good; which
+failures a retry is for. (A branch SIGKILLed inside a flow and resumed by the task's retry:
+tests/test_shipped_3b.py; a lost machine: tests/test_prefect_server.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import processes_of
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from safetensors.torch import load_file
@@ -143,37 +139,6 @@ def test_the_joint_flow_reuses_what_the_run_has_and_reports(finished_run, tmp_pa
     assert models[0] == "theta0" and "joint" in models
 
 
-def test_a_killed_branch_is_resumed_by_the_task_retry(finished_run, tmp_path):
-    reference, _ = finished_run
-    run_dir = copy_prepared(reference, tmp_path / "run", branch=0)
-    branch = run_dir / "branches" / "0"
-    killed, flow_done = [], threading.Event()
-
-    def kill_branch_0_after_its_first_checkpoint():
-        latest = branch / "checkpoints" / "latest.json"
-        while not flow_done.is_set() and not is_complete(branch / "final"):
-            pids = processes_of(branch / "spec.json")
-            if len(pids) >= 2 and latest.is_file():  # the launcher, its rank (and its loader workers)
-                for pid in pids:  # a spot instance taken away: every process at once, no clean-up
-                    os.kill(pid, signal.SIGKILL)
-                killed.append(json.loads(latest.read_text())["step"])
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_branch_0_after_its_first_checkpoint)
-    killer.start()
-    state = run_flow(run_dir)
-    flow_done.set()
-    killer.join()
-    assert killed, "branch 0 finished before it could be killed"
-    assert state.is_completed(), state.message
-    log = (branch / "train.log").read_text()
-    assert f"branch 0: resumed from step{killed[0]}" in log
-    for name in MERGES:
-        a, b = weights(reference / "merged" / name), weights(run_dir / "merged" / name)
-        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6, name
-
-
 def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_run, tmp_path):
     run_dir = copy_prepared(finished_run[0], tmp_path / "run", branch=1)
     pointer = run_dir / "branches" / "1" / "checkpoints" / "latest.json"
@@ -190,3 +155,34 @@ def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_
     pointer.unlink()  # the cause is fixed: a re-run trains branch 1 only
     assert run_flow(run_dir).is_completed()
     assert finished.stat().st_mtime_ns == stamp and is_complete(run_dir / "branches" / "1" / "final")
+
+
+def test_worth_retrying_refuses_what_a_retry_cannot_fix(prefect_api, tmp_path):
+    """A branch task's retries are for kills, crashes and timeouts (they resume); a spec the
+    library refused before launching (ValueError, FileNotFoundError) would be refused again."""
+    from prefect import flow, task
+
+    from flows.tasks import worth_retrying
+    from pipeline.train.launch import BranchFailed
+
+    errors = {
+        "refused spec": ValueError("branch 0: unknown sources ['x']"),
+        "no data": FileNotFoundError("data/manifest.json"),
+        "killed": BranchFailed("0", 137, tmp_path / "train.log"),
+        "timed out": TimeoutError("branch 0: no result after 10 s"),
+    }
+    attempts = []
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=worth_retrying)
+    def branch(kind: str) -> None:
+        attempts.append(kind)
+        raise errors[kind]
+
+    @flow
+    def run(kind: str):
+        return branch(kind, return_state=True)
+
+    for kind, expected in [("refused spec", 1), ("no data", 1), ("killed", 3), ("timed out", 3)]:
+        attempts.clear()
+        assert run(kind, return_state=True).is_failed()
+        assert len(attempts) == expected, (kind, attempts)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import verify_checkpoint
+from pipeline.cli import main as merit
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import INDEX
 
@@ -139,7 +140,7 @@ def test_tied_lm_head_is_written_once(branches, tmp_path):
     assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
 
 
-def test_cli_merge(branches, tmp_path):
+def test_cli_merge(branches, tmp_path, capsys):
     base, paths = branches
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(
@@ -153,21 +154,11 @@ def test_cli_merge(branches, tmp_path):
             }
         )
     )
-    run = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "ties:" in run.stdout and (tmp_path / "m" / "model.safetensors").is_file()
+    assert merit(["merge", str(spec_file)]) == 0
+    assert "ties:" in capsys.readouterr().out and (tmp_path / "m" / "model.safetensors").is_file()
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"models": [{"path": str(paths[0])}], "method": "ties", "out_path": "x"}))
-    run = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "merge", str(bad)], cwd=ROOT, capture_output=True, text=True
-    )
-    assert run.returncode == 2 and "need base_model" in run.stderr
+    assert merit(["merge", str(bad)]) == 2 and "need base_model" in capsys.readouterr().err
 
 
 # --- refusals: each names the file or tensor, and leaves no output behind -----------------------

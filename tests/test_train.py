@@ -52,7 +52,7 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "final" / "model.safetensors")
 
 
-@pytest.mark.parametrize("zero, processes", [(0, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("zero, processes", [(2, 2)])  # ZeRO-0 on 1 rank and ZeRO-3 on 2: below
 def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero, processes):
     out = tmp_path / f"z{zero}p{processes}"
     branch = spec(
@@ -82,8 +82,14 @@ def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_d
     reference = train_branch(spec(run_dir, tmp_path / "straight", *zero3), echo=False)
     killed = spec(run_dir, tmp_path / "killed", *zero3)
     spec_path = killed.save(tmp_path / "killed" / "spec.json")
+    argv, env = command(spec_path, 2)
     proc = subprocess.Popen(
-        command(spec_path, 2), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        argv,
+        cwd=ROOT,
+        env=os.environ | env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
     while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
@@ -100,6 +106,7 @@ def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_d
     assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "killed")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "killed" / "final")  # gathered from the partitions
     steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))  # records after the checkpoint were rewritten, not duplicated
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from pipeline.cli import format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, load_split, prepare_data
 from pipeline.memory import AnonymousPeak, max_rss
+from pipeline.merge import CheckpointReader
 from pipeline.models import load_model, load_processor, processor_for
 
 DEVICES_GB = (80, 141)  # A100 / H100 80 GB, H200
@@ -136,30 +138,42 @@ def main(args: argparse.Namespace) -> None:
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
     params = json.loads((run_dir / "init" / "manifest.json").read_text())["parameters"]["total"]
     run = str(run_dir)
-    stages: list[tuple[str, str, Any]] = [  # (stage, what counts on CPU, measure)
-        ("calibrate", "rss", lambda: run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
-        ("train steps", "rss", lambda: _train(cfg, run_dir, args.steps)),
-        ("fisher", "rss", lambda: run_in_process(_measured, _fisher, device, cfg, init, run, device)),
-        ("evaluate", "rss", lambda: run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
+    kinds = ("cuda",) if device == "cuda" else ("rss", "anon")
+    baseline = run_in_process(_measured, _baseline, device)
+    at_rest = ", ".join(f"{k} {baseline[k] / 2**20:,.0f} MB" for k in kinds)
+    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}")
+    print(f"baseline (a process with torch and transformers imported): {at_rest}")
+    peaks = ["peak GPU MB"] if device == "cuda" else ["peak resident MB", "peak anonymous MB"]
+
+    def row(name: str, measured: dict[str, float], counted: str, unit: float) -> list[Any]:
+        """Peaks, and the largest size (parameters, or entries of the largest tensor) that fits."""
+        key = "cuda" if device == "cuda" else counted
+        per_unit = max(measured[key] - baseline[key], 0) / unit
+        fits = [f"{(gb * 1e9 - baseline[key]) / per_unit / 1e9:,.1f} B" if per_unit else "any" for gb in DEVICES_GB]
+        return [name, *(round(measured[k] / 2**20) for k in kinds), key, round(per_unit, 2), *fits]
+
+    models = [
+        ("calibrate", run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
+        ("train steps (1 rank)", _train(cfg, run_dir, args.steps)),
+        ("fisher", run_in_process(_measured, _fisher, device, cfg, init, run, device)),
+        ("evaluate", run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
     ]
+    fits = [f"fits {gb} GB up to" for gb in DEVICES_GB]
+    print(
+        format_table(
+            ["stage", *peaks, "counted", "bytes / param", *fits], [row(n, m, "rss", params) for n, m in models]
+        )
+    )
+    # A merge holds a few tensors at a time: its memory scales with the largest tensor, not N.
+    largest = max(math.prod(info.shape) for info in CheckpointReader(init).info.values())
+    merges = []
     for k in args.k:
         branches = _branches(run_dir, k)
         for method in args.methods.split(","):
-            merge = (_measured, _merge, device, init, branches, method, f"{run}/bench/merged", device)
-            stages.append((f"merge {method}, K={k}", "anon", lambda merge=merge: run_in_process(*merge)))
-    baseline = run_in_process(_measured, _baseline, device)
-    rows = []
-    for stage, counted, measure in stages:
-        peaks = measure()
-        key = "cuda" if device == "cuda" else counted
-        per_param = max(peaks[key] - baseline[key], 0) / params
-        fits = [f"{(gb * 1e9 - baseline[key]) / per_param / 1e9:,.1f} B" if per_param else "any" for gb in DEVICES_GB]
-        mb = [round(peaks[k] / 2**20) for k in (("cuda",) if device == "cuda" else ("rss", "anon"))]
-        rows.append([stage, *mb, key, round(per_param, 2), *fits])
-    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}")
-    kinds = ("cuda",) if device == "cuda" else ("rss", "anon")
-    at_rest = ", ".join(f"{k} {baseline[k] / 2**20:,.0f} MB" for k in kinds)
-    print(f"baseline (a process with torch and transformers imported): {at_rest}")
-    peaks = ["peak GPU MB"] if device == "cuda" else ["peak resident MB", "peak anonymous MB"]
-    headers = ["stage", *peaks, "counted", "bytes / param", *(f"fits {gb} GB up to" for gb in DEVICES_GB)]
-    print(format_table(headers, rows))
+            out = f"{run}/bench/merged"
+            measured = run_in_process(_measured, _merge, device, init, branches, method, out, device)
+            merges.append(row(f"{method}, K={k}", measured, "anon", largest))
+    print(f"merges (largest tensor: {largest / 1e6:,.1f} M entries, {4 * largest / 2**20:,.0f} MB in fp32):")
+    print(
+        format_table(["merge", *peaks, "counted", "bytes / largest entry", *(f"{f} (entries)" for f in fits)], merges)
+    )

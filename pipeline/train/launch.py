@@ -1,7 +1,7 @@
 """Launch one branch as its own process group: ``torch.distributed.run`` with N processes (NCCL
-on GPUs, gloo on CPU). One subprocess per branch keeps DeepSpeed's global state (ZeRO-3
-partitioning) out of the caller. The subprocess' exit code becomes an exception; a timeout
-kills its whole process group; its output is streamed to the caller and to ``train.log``."""
+on GPUs, gloo on CPU), or the one rank alone. One subprocess per branch keeps DeepSpeed's global
+state (ZeRO-3 partitioning) out of the caller. The subprocess' exit code becomes an exception; a
+timeout kills its whole process group; its output is streamed to the caller and to ``train.log``."""
 
 from __future__ import annotations
 
@@ -52,21 +52,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(spec_path: Path, processes: int) -> list[str]:
-    """torchrun, run so that it dies with the caller (``pipeline.train.lifetime``)."""
-    return [
-        sys.executable,
-        "-m",
-        "pipeline.train.lifetime",
-        "torch.distributed.run",
-        f"--nproc_per_node={processes}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "pipeline.train.worker",
-        str(spec_path),
-    ]
+def command(spec_path: Path, processes: int) -> tuple[list[str], dict[str, str]]:
+    """The branch's processes, run so that they die with the caller (``pipeline.train.lifetime``),
+    and the environment they need: torchrun for several ranks; one rank runs on its own, with
+    torchrun's variables set here (the launcher would cost a process and 2 s a branch)."""
+    port = str(free_port())
+    if processes == 1:
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        argv = [sys.executable, "-u", "-m", "pipeline.train.lifetime", "pipeline.train.worker", str(spec_path)]
+        return argv, env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    torchrun = ["torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1", "--master_addr=127.0.0.1"]
+    worker = ["-m", "pipeline.train.worker", str(spec_path)]
+    return [sys.executable, "-m", "pipeline.train.lifetime", *torchrun, f"--master_port={port}", *worker], {}
 
 
 def visible_devices(gpus: list[int], visible: str | None) -> str:
@@ -87,8 +84,10 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     spec.validate_inputs()
     spec_path = spec.save(out / "spec.json")
     resumed = (out / "checkpoints" / "latest.json").is_file()
+    argv, rank_env = command(spec_path, spec.train.processes)
     env = {
         **os.environ,
+        **rank_env,
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
     }
@@ -98,7 +97,7 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     log = out / "train.log"
     with open(log, "a") as log_file:
         proc = subprocess.Popen(
-            command(spec_path, spec.train.processes),
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
