@@ -25,6 +25,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.data import Collator, EncodedDataset, Encoder, load_split, prepare_data
 from pipeline.layout import base_path
 from pipeline.models import build_tiny_model, processor_for
+from pipeline.models.loading import DTYPES
 from pipeline.train import BranchSpec
 from pipeline.train.loader import StepBatches, step_batches
 from pipeline.train.plan import all_sources
@@ -41,6 +42,7 @@ def like(path: str) -> list[str]:
         f"model.min_pixels={other.model.min_pixels}",
         f"model.max_pixels={other.model.max_pixels}",
         f"data.builtin.image_size={side}",  # drawn at the smallest size the processor keeps as it is
+        f"model.dtype={other.model.dtype}",  # the images reach the rank in it
         f"train.micro_batch={other.train.micro_batch}",
         f"train.grad_accum={other.train.grad_accum}",
         f"train.loader_workers={other.train.loader_workers}",
@@ -49,7 +51,7 @@ def like(path: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> None:
     if args.like:
-        args.overrides = [*args.overrides, *like(args.like)]
+        args.overrides = [*like(args.like), *args.overrides]  # the command line's own --set win
     cfg, run_dir = resolve_run(args)
     if cfg.model.name_or_path != "tiny":
         raise SystemExit(
@@ -95,7 +97,8 @@ def main(args: argparse.Namespace) -> None:
 
 def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -> None:
     """How long the trainer's step loader keeps the rank waiting while simulated steps run."""
-    t = cfg.train.model_copy(update={"steps": args.steps + 1, "processes": 1})
+    warm = max(1, cfg.train.loader_workers)  # steps until every worker has delivered once
+    t = cfg.train.model_copy(update={"steps": args.steps + warm, "processes": 1})
     spec = BranchSpec(
         name="bench",
         run_dir=str(run_dir),
@@ -104,25 +107,27 @@ def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -
         out_dir=str(run_dir / "bench"),
         config=cfg.model_copy(update={"train": t}),
     )
-    batches = step_batches(StepBatches(BranchData.for_branch(spec, processor), t, 0, 1), 0, pin_memory=False)
+    data = BranchData.for_branch(spec, processor)
+    loader = StepBatches(data, t, 0, 1, pixel_dtype=DTYPES[cfg.model.dtype])
+    batches = step_batches(loader, 0, pin_memory=False)
     waits, step_s, tokens = [], 0.0, 0
-    for step in range(t.steps):
+    for _ in range(t.steps):
         start = time.perf_counter()
         tokens = next(batches).tokens
         waits.append(time.perf_counter() - start)
         step_s = args.step_seconds or 6 * args.model_params * tokens / (args.mfu * args.peak_tflops * 1e12)
-        if step:  # the first one fills the pipeline
-            time.sleep(step_s)
+        time.sleep(step_s)
     sides = math.isqrt(cfg.model.min_pixels), math.isqrt(cfg.model.max_pixels)
     print(
         f"step loader: micro batch {t.micro_batch} x {t.grad_accum}, {t.loader_workers} workers, "
         f"images {cfg.data.builtin.image_size} px drawn ({sides[0]}-{sides[1]} px kept), {tokens} tokens a step"
     )
     rate = f"{args.model_params / 1e9:.2f} B parameters at {100 * args.mfu:.0f} % MFU of {args.peak_tflops:.0f} TFLOP/s"
+    steady = waits[warm:]
     print(
-        f"simulated step {step_s:.2f} s ({rate}): first batch {waits[0]:.2f} s, then the rank waits "
-        f"{1e3 * statistics.mean(waits[1:]):.1f} ms a step on average, {1e3 * max(waits[1:]):.1f} ms at most "
-        f"({len(waits) - 1} steps)"
+        f"simulated step {step_s:.2f} s ({rate}): the first {warm} batches (the workers starting) "
+        f"{sum(waits[:warm]):.2f} s, then the rank waits {1e3 * statistics.mean(steady):.1f} ms a step on average, "
+        f"{1e3 * max(steady):.1f} ms at most ({len(steady)} steps)"
     )
 
 

@@ -60,7 +60,8 @@ def main(spec_path: str) -> None:
     state = checkpointer.resume()
     metrics = MetricsLog(out / "metrics.jsonl", rank.rank, state.step)
     data = BranchData.for_branch(spec, engine.processor)
-    batches = step_batches(StepBatches(data, t, rank.rank, rank.world), state.step, rank.device.type == "cuda")
+    loader = StepBatches(data, t, rank.rank, rank.world, pixel_dtype=engine.model.dtype)
+    batches = step_batches(loader, state.step, pin_memory=rank.device.type == "cuda")
 
     engine.engine.train()
     while state.step < t.steps:
