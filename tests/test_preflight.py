@@ -33,6 +33,9 @@ def hf_home(tiny_run, tmp_path, monkeypatch):
 def test_a_hub_id_resolves_to_its_cached_snapshot_with_a_machine_independent_identity(hf_home):
     _, snapshot = hf_home
     assert resolve_model(REPO) == snapshot
+    assert resolve_model(REPO, revision=snapshot.name) == snapshot == resolve_model(REPO, revision="main")
+    with pytest.raises(ModelNotFoundError, match=f"model {REPO}: revision v2 of it is not in the Hugging Face cache"):
+        resolve_model(REPO, revision="v2")
     assert checkpoint_id(snapshot) == f"{REPO}@{snapshot.name}"  # the same on every machine's cache
     cfg = load_config(ROOT / "configs" / "qwen2_5_vl_3b.yaml")
     assert base_path(cfg, "unused") == str(snapshot)
