@@ -165,6 +165,7 @@ class TrainSection(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr × this
     clip: float = Field(1.0, gt=0)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (long sequences, big models)
+    loss_chunk: int = Field(1024, ge=1)  # supervised positions projected on the vocabulary at once
     loader_workers: int = Field(2, ge=0)  # processes encoding the next steps' batches while this one trains
     deepspeed: str = "configs/deepspeed/zero2.json"
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)

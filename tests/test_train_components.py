@@ -86,7 +86,7 @@ def test_prefetching_workers_give_the_same_batches_and_a_resumed_loader_starts_a
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     two_ranks = StepBatches(data, branch.train, 1, 2)[0]  # rank 1 of 2: a filler image where none
     assert all("pixel_values" in m for m in two_ranks.micro)
-    assert two_ranks.supervised == sum(int((m["labels"] != -100).sum()) for m in two_ranks.micro)
+    assert two_ranks.supervised == [int((m["labels"] != -100).sum()) for m in two_ranks.micro]
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,9 @@ def test_the_loss_without_full_logits_equals_the_models_own_in_value_and_gradien
     own.backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     supervised = int((batch["labels"][:, 1:] != -100).sum())
-    for chunk in (1024, 7):  # one projection, and chunks recomputed in the backward pass
+    for chunk, pieces in ((1024, None), (7, None), (1024, 5)):  # one projection; parts recomputed in backward
         model.zero_grad()
-        nll, count = supervised_nll(model, batch, chunk=chunk)
+        nll, count = supervised_nll(model, batch, chunk=chunk, pieces=pieces)
         assert count == supervised
         torch.testing.assert_close(nll / count, own, rtol=1e-5, atol=1e-6)
         (nll / count).backward()
@@ -113,5 +113,6 @@ def test_the_loss_without_full_logits_equals_the_models_own_in_value_and_gradien
             torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(mean_nll(model, batch), own, rtol=1e-5, atol=1e-6)
     unsupervised = {**batch, "labels": torch.full_like(batch["labels"], -100)}
-    nll, count = supervised_nll(model, unsupervised)
-    assert count == 0 and nll.item() == 0 and nll.requires_grad  # still part of the graph
+    for pieces in (None, 3):  # a rank without answers still projects as often as the others
+        nll, count = supervised_nll(model, unsupervised, pieces=pieces)
+        assert count == 0 and nll.item() == 0 and nll.requires_grad  # still part of the graph

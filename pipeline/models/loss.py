@@ -39,21 +39,31 @@ def chunks(n: int, chunk: int = CHUNK) -> list[slice]:
     return [slice(i, min(i + chunk, n)) for i in range(0, max(n, 1), chunk)]
 
 
+def pieces_for(n: int, chunk: int = CHUNK) -> int:
+    """How many projections ``n`` supervised positions take at ``chunk`` positions each."""
+    return max(1, -(-n // chunk))
+
+
 def _chunk_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
 def supervised_nll(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = CHUNK
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = CHUNK, pieces: int | None = None
 ) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over the supervised positions (fp32, differentiable) and their number.
-    A batch without supervised positions gives an NLL of 0 that is still connected to the head,
-    so every rank runs the same modules (ZeRO-3 gathers weights collectively)."""
+
+    The positions are projected in ``pieces`` parts (default: enough of ``chunk`` positions each),
+    recomputed in the backward pass when there are several. Under ZeRO-3 every projection gathers
+    the head's weights collectively, so ranks must make the same number of them: the trainer
+    passes the most any rank needs (a rank with fewer positions projects empty parts). A batch
+    without supervised positions gives an NLL of 0 that is still connected to the head."""
     hidden, targets = supervised_hidden(model, batch)
-    parts = chunks(len(targets), chunk)
-    if len(parts) == 1:
+    pieces = pieces or pieces_for(len(targets), chunk)
+    if pieces == 1:
         return _chunk_nll(model.lm_head, hidden, targets), len(targets)
-    nll = sum(checkpoint(_chunk_nll, model.lm_head, hidden[rows], targets[rows], use_reentrant=False) for rows in parts)
+    parts = zip(hidden.tensor_split(pieces), targets.tensor_split(pieces))
+    nll = sum(checkpoint(_chunk_nll, model.lm_head, h, t, use_reentrant=False) for h, t in parts)
     return nll, len(targets)
 
 
@@ -71,5 +81,5 @@ class SupervisedLoss(torch.nn.Module):
         super().__init__()
         self.model, self.chunk = model, chunk
 
-    def forward(self, **batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return supervised_nll(self.model, batch, self.chunk)
+    def forward(self, pieces: int | None = None, **batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return supervised_nll(self.model, batch, self.chunk, pieces)

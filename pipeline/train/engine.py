@@ -106,6 +106,6 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer, scheduler = make_optimizer(model, spec.train)
     engine, *_ = deepspeed.initialize(
-        model=SupervisedLoss(model), optimizer=optimizer, lr_scheduler=scheduler, config=config
+        model=SupervisedLoss(model, spec.train.loss_chunk), optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
     return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3)

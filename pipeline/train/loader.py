@@ -30,7 +30,7 @@ class StepBatch:
     step: int
     micro: list[dict[str, torch.Tensor]]  # collated micro batches of this rank
     tokens: int  # input tokens of this rank's micro batches (padding excluded)
-    supervised: int  # of which carry a label
+    supervised: list[int]  # tokens that carry a label, per micro batch
 
     def pin_memory(self) -> StepBatch:  # called by the DataLoader's pinning thread on GPUs
         pinned = [{k: v.pin_memory() for k, v in m.items()} for m in self.micro]
@@ -54,11 +54,11 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step: int) -> StepBatch:
         t = self.train
-        micro, tokens, supervised = [], 0, 0
+        micro, tokens, supervised = [], 0, []
         for examples in self.data.micro_batches(step, t.micro_batch, t.grad_accum, self.rank, self.world):
             encoded = self.data.encoder.encode_batch(examples)
             tokens += sum(e.num_tokens for e in encoded)
-            supervised += sum(e.num_supervised for e in encoded)
+            supervised.append(sum(e.num_supervised for e in encoded))
             if self.filler is not None and all(e.image_grid_thw is None for e in encoded):
                 encoded.append(self.filler)
             batch = self.data.collator(encoded)

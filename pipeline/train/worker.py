@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.models.loss import pieces_for
 from pipeline.train.checkpointing import Checkpointer, TrainState
 from pipeline.train.curves import plot_loss
 from pipeline.train.engine import Engine, build_engine, init_distributed
@@ -31,16 +32,21 @@ from pipeline.train.spec import BranchSpec
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
-def train_step(engine: Engine, batch: StepBatch, device: torch.device) -> tuple[float, int, int]:
+def train_step(engine: Engine, batch: StepBatch, device: torch.device, chunk: int) -> tuple[float, int, int]:
     """One optimizer step; returns the step's loss and the tokens and examples it trained on (all ranks)."""
     world, accum = dist.get_world_size(), len(batch.micro)
-    counts = torch.tensor([batch.supervised, batch.tokens, 0.0], dtype=torch.float64, device=device)
+    counts = torch.tensor([sum(batch.supervised), batch.tokens, 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(counts)
+    # Every rank projects each micro batch's answers in as many parts as the rank that has the
+    # most: under ZeRO-3 each projection gathers the head's weights collectively (loss.py).
+    pieces = torch.tensor([pieces_for(n, chunk) for n in batch.supervised], device=device)
+    if world > 1:
+        dist.all_reduce(pieces, op=dist.ReduceOp.MAX)
     # DeepSpeed averages gradients over micro batches and ranks: undo that, and divide by the
     # step's supervised tokens instead (the same gradient as one batch of the step's examples).
     scale = world * accum / max(counts[0].item(), 1.0)
-    for micro in batch.micro:
-        nll, _ = engine.engine(**{k: v.to(device, non_blocking=True) for k, v in micro.items()})
+    for micro, n in zip(batch.micro, pieces.tolist()):
+        nll, _ = engine.engine(pieces=n, **{k: v.to(device, non_blocking=True) for k, v in micro.items()})
         engine.engine.backward(nll * scale)
         engine.engine.step()
         counts[2] += nll.detach().double()
@@ -68,7 +74,7 @@ def main(spec_path: str) -> None:
         start, lr = time.perf_counter(), engine.lr  # the lr this step trains with
         batch = next(batches)
         waited = time.perf_counter() - start
-        loss, tokens, examples = train_step(engine, batch, rank.device)
+        loss, tokens, examples = train_step(engine, batch, rank.device, t.loss_chunk)
         seconds = time.perf_counter() - start
         state = TrainState(
             state.step + 1, state.tokens_seen + tokens, state.examples_seen + examples, state.elapsed_s + seconds
