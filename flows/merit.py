@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable
-from pathlib import Path
 
 import prefect.runtime.flow_run
 import torch
@@ -22,7 +21,7 @@ from flows.heartbeat import heartbeat
 from flows.progress import BranchProgress
 from flows.report import artifact_key, report
 from pipeline.config import RunConfig
-from pipeline.layout import JOINT, WARMUP, run_models, start_run
+from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
@@ -127,9 +126,8 @@ def branch(run_dir: str, name: str) -> dict:
     flow: the unit the merit flow fans out over a work pool when ``flow.branch_deployment`` is set.
     No retries here: the merit flow starts a new run, on a new machine if need be; the heartbeat
     tells it when this machine is gone."""
-    cfg = tasks.run_config(run_dir)
-    out = Path(branch_spec(cfg, run_dir, name).out_dir)
-    with heartbeat(out, str(prefect.runtime.flow_run.id), cfg.flow.heartbeat_s):
+    cfg = tasks.run_config(run_dir)  # the heartbeat first: finding θ0 may take a download
+    with heartbeat(training_dir(run_dir, name), str(prefect.runtime.flow_run.id), cfg.flow.heartbeat_s):
         return tasks.train(run_dir, name)
 
 

@@ -82,15 +82,18 @@ def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
     new run, which resumes from the checkpoints the last one left in the shared run directory."""
     from prefect.deployments import run_deployment
 
-    from flows.heartbeat import wait_for
+    from flows.heartbeat import claim, wait_for
+    from pipeline.layout import training_dir
     from pipeline.train.plan import branch_spec
 
     cfg = run_config(run_dir)
-    spec = branch_spec(cfg, run_dir, name)
+    folder, timeout_s = training_dir(run_dir, name), branch_spec(cfg, run_dir, name).train.timeout_s
     run = run_deployment(
         deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}", timeout=0
     )
-    run = wait_for(run, Path(spec.out_dir), cfg.flow.branch_stale_s, spec.train.timeout_s)
+    claim(folder, str(run.id))  # an earlier run of this branch, if still alive, stops at its next beat
+    # The branch's own timeout (its launcher's) fires first; the watcher's is for a run that hangs.
+    run = wait_for(run, folder, cfg.flow.branch_stale_s, timeout_s + cfg.flow.branch_stale_s)
     if not run.state.is_completed():
         raise RuntimeError(
             f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: {run.state.message}"

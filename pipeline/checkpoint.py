@@ -92,7 +92,7 @@ def write_manifest(folder: str | Path, known_hashes: dict[str, str] | None = Non
             hashed += p.stat().st_size
     manifest = {**meta, "files": files}
     write_json_atomic(folder / MANIFEST, manifest)
-    _record_verification(folder, manifest, write_bytes_hashed=hashed)
+    _record_verification(folder, _stamps(folder, manifest), write_bytes_hashed=hashed)
     return manifest
 
 
@@ -124,18 +124,21 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
         if sha256_file(path) != expected:
             raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupt or truncated)")
         hashed += path.stat().st_size
-    _record_verification(folder, manifest, verify_bytes_hashed=hashed)
+    if _stamps(folder, manifest) == stamps:  # not rewritten while it was hashed
+        _record_verification(folder, stamps, verify_bytes_hashed=hashed)
     return manifest
 
 
 def _stamps(folder: Path, manifest: dict[str, Any]) -> dict[str, list[int]]:
+    """Size, mtime, inode and ctime of every file: a copy (new inodes and ctimes, even when
+    ``cp -a`` keeps the mtimes) or a rewrite is hashed again; only an untouched file is not."""
     stamps = {}
     for name in [*manifest["files"], MANIFEST]:
         try:
             stat = (folder / name).stat()
         except FileNotFoundError:
             raise CheckpointError(f"{folder / name}: listed in the manifest but missing") from None
-        stamps[name] = [stat.st_size, stat.st_mtime_ns]
+        stamps[name] = [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
     return stamps
 
 
@@ -143,17 +146,21 @@ _in_process: dict[str, dict[str, Any]] = {}  # the records of folders this proce
 
 
 def _verified(folder: Path) -> dict[str, Any]:
+    if (kept := _in_process.get(str(folder.resolve()))) is not None:
+        return kept
     try:
         return json.loads((folder / VERIFIED).read_text())
     except (OSError, json.JSONDecodeError):
-        return _in_process.get(str(folder.resolve()), {})
+        return {}
 
 
-def _record_verification(folder: Path, manifest: dict[str, Any], **hashed: int) -> None:
-    """Note that the files, as they are now, match the manifest; count the bytes hashed for it."""
+def _record_verification(folder: Path, stamps: dict[str, list[int]], **hashed: int) -> None:
+    """Note that the files with these stamps match the manifest; count the bytes hashed for it.
+    (Two processes verifying at once may both hash and one count be lost: the launcher verifies
+    θ0 before its ranks start, so in a run they do not.)"""
     old = _verified(folder)
     record = {
-        "stamps": _stamps(folder, manifest),
+        "stamps": stamps,
         **{key: old.get(key, 0) + hashed.get(key, 0) for key in HASH_COUNTS},
         "verifications": old.get("verifications", 0) + ("verify_bytes_hashed" in hashed),
     }

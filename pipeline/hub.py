@@ -10,6 +10,7 @@ Online, a missing snapshot is downloaded (weights as safetensors only, never pic
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -20,8 +21,9 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from pipeline.config import ConfigError
 
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
-# A snapshot as transformers needs it: configs, tokenizer and processor files, safetensors weights.
-FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+# A snapshot as transformers needs it: configs, tokenizer and processor files, safetensors weights,
+# and a model's own code (run only with model.trust_remote_code).
+FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken", "*.py"]
 
 
 class ModelNotFoundError(ConfigError):
@@ -71,4 +73,9 @@ def check_model_folder(folder: Path) -> Path:
         raise ModelNotFoundError(f"model folder {folder}: no config.json")
     if not any(folder.glob("*.safetensors")):
         raise ModelNotFoundError(f"model folder {folder}: no safetensors weights (pickled .bin files are refused)")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        if missing := sorted(s for s in shards if not (folder / s).is_file()):
+            raise ModelNotFoundError(f"model folder {folder}: shards {missing} of its index are missing")
     return folder

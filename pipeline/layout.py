@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import is_complete
 from pipeline.config import RunConfig, load_config, save_config
-from pipeline.hub import resolve_model
+from pipeline.hub import ModelNotFoundError, resolve_model
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
 INIT = "init"  # the tiny offline model as built
@@ -26,10 +26,24 @@ def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Pa
     that every stage reads. The run directory defaults to ``runs/<run.name>``."""
     if config is None and run_dir is not None and (Path(run_dir) / CONFIG).is_file():
         config = Path(run_dir) / CONFIG
-    cfg = load_config(config, overrides)
+    cfg = pin_revision(load_config(config, overrides))
     run_dir = Path(run_dir or Path("runs") / cfg.run.name)
     save_config(cfg, run_dir / CONFIG)
     return cfg, run_dir
+
+
+def pin_revision(cfg: RunConfig) -> RunConfig:
+    """θ0 named by a hub id without a revision: pin the commit its snapshot has now, so that every
+    stage and machine of the run reads the same weights even if the hub's main branch moves on
+    (left as it is when the snapshot cannot be found: preflight says so)."""
+    m = cfg.model
+    if is_tiny(cfg) or m.revision is not None or Path(m.name_or_path).expanduser().is_dir():
+        return cfg
+    try:
+        commit = resolve_model(m.name_or_path).name  # the snapshot folder is named by its commit
+    except ModelNotFoundError:
+        return cfg
+    return cfg.model_copy(update={"model": m.model_copy(update={"revision": commit})})
 
 
 def is_tiny(cfg: RunConfig) -> bool:
@@ -54,6 +68,11 @@ def branch_dir(run_dir: str | Path, k: int) -> Path:
     return Path(run_dir) / BRANCHES / str(k)
 
 
+def training_dir(run_dir: str | Path, name: str) -> Path:
+    """The folder of a run's training by name: ``warmup``, ``joint`` or a group number."""
+    return Path(run_dir) / name if name in (WARMUP, JOINT) else branch_dir(run_dir, int(name))
+
+
 def merged_dir(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / MERGED / name
 
@@ -71,8 +90,12 @@ def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
     use: ``theta0``, ``branch-<k>`` (one per group of the split), ``joint``, ``merged-<name>``."""
     run_dir = Path(run_dir)
     groups = split_groups(run_dir) if (run_dir / CALIBRATION / "split.json").is_file() else []
+    try:
+        theta0 = Path(init_path(cfg, run_dir))
+    except ModelNotFoundError:  # a machine without θ0's snapshot (the report's): its name will do
+        theta0 = Path(cfg.model.name_or_path)
     return {
-        "theta0": Path(init_path(cfg, run_dir)),
+        "theta0": theta0,
         **{f"branch-{k}": branch_dir(run_dir, k) / "final" for k in range(len(groups))},
         "joint": run_dir / JOINT / "final",
         **{f"merged-{m.name}": merged_dir(run_dir, m.name) for m in cfg.merge.methods},

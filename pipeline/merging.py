@@ -39,6 +39,9 @@ def branch_finals(run_dir: str | Path) -> list[Path]:
 def group_tokens(run_dir: str | Path, groups: list[list[str]]) -> list[int]:
     """n_k: the training tokens of each group's sources, as prepared."""
     sources = active_sources(read_data_manifest(run_dir))
+    for k, group in enumerate(groups):
+        if unknown := sorted(set(group) - set(sources)):
+            raise ValueError(f"group {k}: sources {unknown} are not prepared in {run_dir} (dropped or renamed?)")
     return [sum(sources[s]["train_tokens"] for s in group) for group in groups]
 
 

@@ -47,7 +47,7 @@ def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
         return "the tiny offline model, built by the init stage"
     folder = Path(base_path(cfg, run_dir))  # a hub id not in the cache (offline) fails here, named
     config = json.loads((folder / "config.json").read_text())
-    if not any("VL" in a or "ImageTextToText" in a for a in config.get("architectures", [])):
+    if not any("VL" in a or "ImageTextToText" in a for a in config.get("architectures") or []):
         raise ConfigError(f"{folder} holds {config.get('architectures')}, not an image-text-to-text model")
     return str(folder)
 

@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 
@@ -92,3 +93,18 @@ def test_a_checkpoint_is_hashed_once_and_again_only_when_a_file_changes(tmp_path
         "verifications": 1,
         "checkpoints": 1,
     }
+
+
+def test_a_copy_is_hashed_again_even_with_its_record_and_mtimes(tmp_path):
+    """`cp -a` and copytree keep mtimes and copy the record: a copy must still be checked."""
+    with staged_dir(tmp_path / "c") as tmp:
+        (tmp / "a.bin").write_bytes(b"x" * 100)
+        write_manifest(tmp, step=1)
+    shutil.copytree(tmp_path / "c", tmp_path / "copy")
+    copied = tmp_path / "copy" / "a.bin"
+    stat = copied.stat()
+    copied.write_bytes(b"y" + b"x" * 99)  # the same size, one byte flipped, the mtime put back
+    os.utime(copied, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(CheckpointError, match="a.bin: sha256 does not match"):
+        verify_checkpoint(tmp_path / "copy")
+    verify_checkpoint(tmp_path / "c")  # the original is untouched

@@ -260,6 +260,14 @@ def test_fisher_helper_and_fisher_merge(branches, tiny_run, processor, tmp_path)
         torch.testing.assert_close(
             merged[name], (w0 * thetas[0][name] + w1 * thetas[1][name]) / (w0 + w1), rtol=1e-5, atol=1e-6
         )
+    # A tensor some Fisher files have and one lacks is an error naming that file (all lacking: averaged).
+    shutil.copytree(fishers[1], tmp_path / "partial")
+    weights = tmp_path / "partial" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "model.norm.weight"}, weights)
+    models[1]["fisher"] = str(tmp_path / "partial")
+    with pytest.raises(MergeInputError, match=r"partial: no Fisher values for tensor model.norm.weight"):
+        spec_ = spec(tmp_path, base, paths[:2], models=models, method="fisher", out_path=str(tmp_path / "m2"))
+        merge_checkpoints(spec_, progress=False)
 
 
 @pytest.mark.parametrize("example", sorted((ROOT / "configs" / "merge").glob("*.yaml")), ids=lambda p: p.name)

@@ -11,7 +11,7 @@ from pipeline.checkpoint import checkpoint_id
 from pipeline.cli import main as merit
 from pipeline.config import load_config
 from pipeline.hub import ModelNotFoundError, resolve_model
-from pipeline.layout import base_path
+from pipeline.layout import base_path, start_run
 from pipeline.preflight import PreflightError, check_run
 
 ROOT = Path(__file__).parent.parent
@@ -39,6 +39,8 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_with_a_machine_independent_ide
     assert checkpoint_id(snapshot) == f"{REPO}@{snapshot.name}"  # the same on every machine's cache
     cfg = load_config(ROOT / "configs" / "qwen2_5_vl_3b.yaml")
     assert base_path(cfg, "unused") == str(snapshot)
+    pinned, _ = start_run(ROOT / "configs" / "qwen2_5_vl_3b.yaml", [], hf_home[0] / "run")
+    assert pinned.model.revision == snapshot.name  # the run reads this commit, wherever main moves
     with pytest.raises(
         ModelNotFoundError, match=r"Qwen/Qwen2.5-VL-7B-Instruct: .*not in the Hugging Face cache.*hf download"
     ):
@@ -52,6 +54,11 @@ def test_a_plain_folder_without_manifest_is_a_model_and_pickles_are_not(tiny_run
     plain = tmp_path / "downloaded"
     shutil.copytree(run_dir / "init", plain, ignore=shutil.ignore_patterns("manifest.json", ".*"))
     assert resolve_model(str(plain)) == plain.resolve() and checkpoint_id(plain) == str(plain)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (plain / "model.safetensors.index.json").write_text(json.dumps(index))  # a download cut short
+    with pytest.raises(ModelNotFoundError, match=r"shards \['model-00001-of-00002.safetensors', 'model-00002"):
+        resolve_model(str(plain))
+    (plain / "model.safetensors.index.json").unlink()
     (plain / "model.safetensors").rename(plain / "pytorch_model.bin")
     with pytest.raises(ModelNotFoundError, match="no safetensors weights"):
         resolve_model(str(plain))

@@ -97,7 +97,9 @@ def shipped(prefect_api, tmp_path_factory):
 def test_the_shipped_config_runs_from_the_hub_snapshot_in_bf16_and_survives_a_killed_branch(shipped):
     run_dir, snapshot, settings, killed = shipped
     ran = load_config(run_dir / "config.yaml")
-    assert ran == load_config(CONFIG, settings)  # the shipped file itself, with the overrides only
+    assert ran.model.revision == snapshot.name  # the hub commit the run started from, pinned
+    shipped = load_config(CONFIG, [*settings, f"model.revision={snapshot.name}"])
+    assert ran == shipped  # the shipped file itself, with the overrides only
     assert ran.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct" and ran.train.grad_accum == 4
     assert not (snapshot / "manifest.json").exists()  # used in place, as downloaded
 

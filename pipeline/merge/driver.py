@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
-from pipeline.merge.inputs import Reader, TensorInputs, Workspace, rows_of, tensor_reader
+from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
 from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
@@ -72,7 +72,7 @@ def merge_tensor(
     merged = method.merge(inputs, weights.to(inputs.device), ctx, params)
     if inputs.base is not None:
         merged.add_(inputs.base_tensor())
-    if not torch.isfinite(merged.sum()):
+    if not finite(merged):
         raise MergeInputError(f"tensor {ctx.name}: the merged values overflow float32")
     return merged
 
@@ -95,7 +95,8 @@ def merge_state_dicts(
         raise ValueError(f"weights must be non-negative and sum to a positive number, got {weights.tolist()}")
     weights = (weights / weights.sum()).float()
     labels = [f"input {k}" for k in range(len(models))]
-    dicts, dict_labels = [*models, *([base] if base is not None else [])], [*labels, *(["base"] if base else [])]
+    with_base = base is not None
+    dicts, dict_labels = [*models, *([base] if with_base else [])], [*labels, *(["base"] if with_base else [])]
     _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
     workspace, out = Workspace(), {}
     for name, first in models[0].items():
@@ -208,7 +209,7 @@ class _CheckpointMerge:
         if not self.models[0].info[name].dtype.is_floating_point:
             merged = timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
         else:
-            fishers = self.fishers if method.needs_fisher and all(name in f.info for f in self.fishers) else None
+            fishers = self._fishers_of(name) if method.needs_fisher else None
             inputs = TensorInputs(
                 name,
                 shape,
@@ -225,6 +226,14 @@ class _CheckpointMerge:
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
 
+    def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
+        """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""
+        having = [f for f in self.fishers if name in f.info]
+        if having and len(having) < len(self.fishers):
+            lacking = next(f for f in self.fishers if name not in f.info)
+            raise MergeInputError(f"{lacking.path}: no Fisher values for tensor {name}, which other Fisher files have")
+        return having or None
+
 
 def _tied(reader: CheckpointReader) -> set[str]:
     """Names not to write: a tied ``lm_head.weight`` is the embedding matrix, merged once."""
@@ -237,7 +246,9 @@ def _check_fishers(fishers: list[CheckpointReader], info: dict[str, TensorInfo])
     """Fisher files hold some of the models' float tensors (those that trained), in their shapes."""
     for reader in fishers:
         unknown = sorted(set(reader.info) - set(info))
-        if unknown or not reader.info:
+        if not reader.info:
+            raise MergeInputError(f"{reader.path}: holds no tensors, so no Fisher values")
+        if unknown:
             raise MergeInputError(f"{reader.path}: not Fisher values of these models (tensors {unknown[:5]} unknown)")
         for name, fisher in reader.info.items():
             if fisher.shape != info[name].shape or not fisher.dtype.is_floating_point:

@@ -34,6 +34,12 @@ def rows_of(shape: Sequence[int]) -> tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
+def finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf: the sum first (one cheap reduction), the entries only when the sum is not
+    (a finite tensor whose sum overflows is finite)."""
+    return bool(torch.isfinite(tensor.sum()) or torch.isfinite(tensor).all())
+
+
 def tensor_reader(tensor: torch.Tensor) -> Reader:
     """A reader over a tensor already in memory."""
     flat = tensor.reshape(rows_of(tensor.shape))
@@ -47,11 +53,12 @@ class Workspace:
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self.device: str | None = None  # as asked ("cuda" is cuda:0 once allocated: compare the request)
 
     def get(self, numel: int, device: str) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < numel or self.buffer.device != torch.device(device):
+        if self.buffer is None or self.buffer.numel() < numel or self.device != device:
             self.buffer = None
-            self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+            self.buffer, self.device = torch.empty(numel, dtype=torch.float32, device=device), device
         return self.buffer[:numel]
 
 
@@ -73,7 +80,10 @@ class TensorInputs:
         self.inputs, self.labels, self.base, self.base_label = list(inputs), list(labels), base, base_label
         self.fishers, self.workspace = fishers, workspace or Workspace()
         rows, per_row = rows_of(self.shape)
-        step = max(1, block_bytes // (4 * (len(self.inputs) + 1) * max(per_row, 1)))  # the K inputs and θ0
+        # fp32 rows a block holds: the K task vectors and θ0's, and with Fisher values their K rows
+        # and the product of the two.
+        slots = len(self.inputs) + 1 + (2 * len(fishers) if fishers else 0)
+        step = max(1, block_bytes // (4 * slots * max(per_row, 1)))
         self.row_blocks = [(a, min(a + step, rows)) for a in range(0, rows, step)]
         self.per_row = per_row
         self._kept: tuple[int, torch.Tensor] | None = None  # the one block of a tensor that fits
@@ -97,9 +107,7 @@ class TensorInputs:
 
     def _read(self, reader: Reader, label: str, start: int, stop: int) -> torch.Tensor:
         tensor = reader(start, stop).to(self.device)  # moved in the stored dtype (bf16: half the bytes)
-        # The sum first (one cheap reduction); a finite tensor whose sum overflows is not refused.
-        finite = not tensor.is_floating_point() or torch.isfinite(tensor.sum()) or torch.isfinite(tensor).all()
-        if not finite:
+        if tensor.is_floating_point() and not finite(tensor):
             raise MergeInputError(f"{label}: tensor {self.name} contains NaN or Inf")
         return tensor
 
@@ -118,7 +126,7 @@ class TensorInputs:
             out = x.to(torch.float32, copy=True).mul_(c) if out is None else out.add_(x, alpha=c)
         if self.base is not None and base_coefficient:
             out.add_(self._whole(self.base, self.base_label), alpha=base_coefficient)
-        if not torch.isfinite(out.sum()):
+        if not finite(out):
             raise MergeInputError(f"tensor {self.name}: the merged values overflow float32")
         return out
 

@@ -31,7 +31,6 @@ from pipeline.data.prepare import active_sources
 from pipeline.data.prepare import read_manifest as read_data_manifest
 from pipeline.layout import BRANCHES, CALIBRATION, CONFIG, EVAL, JOINT, MERGED, REPORT, WARMUP, model_paths
 from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_training_curves
-from pipeline.train.spec import BranchSpec
 
 KINDS = ("theta0", "branch", "joint", "merged")  # the models' fixed order; a model's kind is its name prefix
 MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
@@ -188,7 +187,8 @@ def _branch(run_dir: Path, name: str, kind: str, folder: Path, records: list[dic
         "name": name,
         "kind": kind,
         "dir": str(folder.relative_to(run_dir)),
-        "sources": BranchSpec.load(spec).sources if spec.is_file() else final.get("sources", []),
+        # The spec's sources as written (read as JSON: a spec from an older version may not load).
+        "sources": json.loads(spec.read_text())["sources"] if spec.is_file() else final.get("sources", []),
         "tokens": final.get("tokens_seen", last.get("tokens")),
         "examples": final.get("examples_seen", last.get("examples")),
         "steps": final.get("step", last.get("step")),
@@ -205,8 +205,9 @@ def _budget_and_weights(branches: list[dict[str, Any]], sources: dict[str, dict[
         b["data_tokens"] = sum(sources.get(s, {}).get("train_tokens", 0) for s in b["sources"])
         b["epochs"] = b["examples"] / b["data_examples"] if b["examples"] and b["data_examples"] else None
     groups = [b for b in branches if b["kind"] == "branch"]
-    for b in groups:
-        b["merge_weight"] = b["data_tokens"] / sum(g["data_tokens"] for g in groups)
+    total = sum(g["data_tokens"] for g in groups)
+    for b in groups if total else []:
+        b["merge_weight"] = b["data_tokens"] / total
         seen = [g["tokens"] for g in groups]  # what weighting by tokens seen would give, for contrast
         b["weight_by_tokens_seen"] = b["tokens"] / sum(seen) if all(seen) else None
 

@@ -29,6 +29,8 @@ class Params(MethodParams):
 
 def uniforms(ctx: TensorContext, k: int, start: int, stop: int, numel: int, device: str) -> torch.Tensor:
     """U(0, 1) draws for entries [start, stop) of model k's task vector."""
+    if stop <= start:  # a tensor without entries
+        return torch.empty(0, device=device)
     first, last = start // RNG_STRETCH, (stop - 1) // RNG_STRETCH
     draws = []
     for stretch in range(first, last + 1):

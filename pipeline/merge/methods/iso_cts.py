@@ -29,16 +29,17 @@ def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, param
     n_common = max(1, int(params.common * rank))
     per_task = (rank - n_common) // inputs.k
     u, s, vh = torch.linalg.svd(mean, full_matrices=False)
-    us, ss, vs = [u[:, :n_common]], [s[:n_common]], [vh[:n_common].T]
+    us, ss, vs = [u[:, :n_common].clone()], [s[:n_common].clone()], [vh[:n_common].T.clone()]
+    del u, s, vh, mean  # only the kept directions stay: the full factors are as large as the tensor
     if per_task > 0:
         projector = us[0]
         for k, w in enumerate(weights.tolist()):  # one task vector at a time
             tau = inputs.task(k).mul_(w)
             residual = tau - projector @ (projector.T @ tau)
             ut, st, vht = torch.linalg.svd(residual, full_matrices=False)
-            us.append(ut[:, :per_task])
-            ss.append(st[:per_task])
-            vs.append(vht[:per_task].T)
+            us.append(ut[:, :per_task].clone())
+            ss.append(st[:per_task].clone())
+            vs.append(vht[:per_task].T.clone())
     u_perp, v_perp = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
     return params.scale * torch.cat(ss).mean() * (u_perp @ v_perp.T)
 

@@ -31,13 +31,14 @@ class Params(MethodParams):
 
 
 CPU_CHUNK = 1 << 16  # columns per step on CPU: (K, CHUNK) temporaries stay in cache, reused
+GPU_CHUNK_ENTRIES = 1 << 25  # entries per step on a GPU: each (K, n) temporary ≤ 128 MB in fp32
 
 
 def _chunks(flat: torch.Tensor) -> list[slice]:
-    """Column blocks: small on CPU (cache, no page faults); one block on a GPU, where each
-    extra block costs kernel launches and host synchronisations instead."""
-    n = flat.shape[1]
-    step = CPU_CHUNK if flat.device.type == "cpu" else n
+    """Column blocks: small on CPU (cache, no page faults); large on a GPU, where each block costs
+    kernel launches and host synchronisations, but bounded: TIES makes ~5 temporaries a block."""
+    rows, n = flat.shape
+    step = CPU_CHUNK if flat.device.type == "cpu" else max(1, GPU_CHUNK_ENTRIES // rows)
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 

@@ -24,9 +24,9 @@ def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, param
     us, ss, vs = [], [], []
     for k, w in enumerate(weights.tolist()):  # one task vector at a time: its top components are kept
         u, s, vh = torch.linalg.svd(inputs.task(k).mul_(w), full_matrices=False)
-        us.append(u[:, :rank])
-        ss.append(s[:rank])
-        vs.append(vh[:rank].T)
+        us.append(u[:, :rank].clone())  # copies: a view would keep the whole factor alive
+        ss.append(s[:rank].clone())
+        vs.append(vh[:rank].T.clone())
     u_perp, v_perp = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
     return params.scale * (u_perp * torch.cat(ss)) @ v_perp.T
 
