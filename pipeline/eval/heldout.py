@@ -23,7 +23,7 @@ from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, load_split
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
-from pipeline.models.loss import chunks, supervised_hidden
+from pipeline.models.loss import pieces_for, supervised_hidden
 
 
 def evaluate_model(
@@ -91,9 +91,9 @@ def _score(model: Any, batch: dict[str, torch.Tensor], device: str) -> tuple[flo
     """Summed NLL, correct argmax predictions and supervised targets of one batch: only the
     supervised positions are projected onto the vocabulary, a chunk at a time, in fp32."""
     hidden, targets = supervised_hidden(model, {k: v.to(device) for k, v in batch.items()})
-    nll, correct = 0.0, 0
-    for rows in chunks(len(targets)):
-        logits = model.lm_head(hidden[rows]).float()
-        nll += F.cross_entropy(logits, targets[rows], reduction="sum").item()
-        correct += int((logits.argmax(-1) == targets[rows]).sum())
+    nll, correct, pieces = 0.0, 0, pieces_for(len(targets))
+    for h, t in zip(hidden.tensor_split(pieces), targets.tensor_split(pieces)):
+        logits = model.lm_head(h).float()
+        nll += F.cross_entropy(logits, t, reduction="sum").item()
+        correct += int((logits.argmax(-1) == t).sum())
     return nll, correct, len(targets)

@@ -125,7 +125,7 @@ class TensorInputs:
             # The first input is copied (never scaled in place: it may be the caller's tensor).
             out = x.to(torch.float32, copy=True).mul_(c) if out is None else out.add_(x, alpha=c)
         if self.base is not None and base_coefficient:
-            out.add_(self._whole(self.base, self.base_label), alpha=base_coefficient)
+            out.add_(self.base_tensor(), alpha=base_coefficient)
         if not finite(out):
             raise MergeInputError(f"tensor {self.name}: the merged values overflow float32")
         return out
@@ -137,7 +137,7 @@ class TensorInputs:
     def task(self, k: int) -> torch.Tensor:
         """τ_k = x_k − θ0, whole, in fp32."""
         x = self._whole(self.inputs[k], self.labels[k]).to(torch.float32, copy=True)  # never the caller's tensor
-        return x.sub_(self._whole(self.base, self.base_label)) if self.base is not None else x
+        return x.sub_(self.base_tensor()) if self.base is not None else x
 
     def block(self, i: int) -> torch.Tensor:
         """The (K, n_i) fp32 task vectors of block i: scratch space, which a method may overwrite

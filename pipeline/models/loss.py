@@ -34,11 +34,6 @@ def supervised_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     return hidden[keep], targets[keep]
 
 
-def chunks(n: int, chunk: int = CHUNK) -> list[slice]:
-    """Row ranges of at most ``chunk`` of ``n`` supervised positions (one, maybe empty, when n = 0)."""
-    return [slice(i, min(i + chunk, n)) for i in range(0, max(n, 1), chunk)]
-
-
 def pieces_for(n: int, chunk: int = CHUNK) -> int:
     """How many projections ``n`` supervised positions take at ``chunk`` positions each."""
     return max(1, -(-n // chunk))
