@@ -95,9 +95,9 @@ def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
     return done["report"]
 
 
-def start(run_dir: str, cfg: RunConfig) -> None:
+def start(run_dir: str, cfg: RunConfig, diloco: bool = False) -> None:
     """preflight → prepare → init → warm-up: the data and θ0 every later stage needs."""
-    tasks.preflight(run_dir)
+    tasks.preflight(run_dir, diloco)
     tasks.prepare(run_dir)
     tasks.init(run_dir)
     if cfg.warmup.steps:

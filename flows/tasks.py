@@ -22,12 +22,12 @@ def run_config(run_dir: str) -> RunConfig:
 
 
 @task(name="preflight")
-def preflight(run_dir: str) -> dict[str, str]:
+def preflight(run_dir: str, diloco: bool = False) -> dict[str, str]:
     """Everything that would fail after hours of training (θ0, data paths, DeepSpeed config,
-    merges, devices), checked first."""
+    merges, devices; DiLoCo's workers), checked first."""
     from pipeline.preflight import check_run
 
-    return check_run(run_config(run_dir), run_dir)
+    return check_run(run_config(run_dir), run_dir, diloco)
 
 
 @task(name="prepare")
@@ -65,13 +65,32 @@ def worth_retrying(task, task_run, state) -> bool:
 
 
 @task(name="train-branch", task_run_name="train-{name}")
-def train(run_dir: str, name: str, gpus: list[int] | None = None) -> dict[str, Any]:
-    """Train, resume or skip one branch (``warmup``, ``joint`` or a group number). A killed
-    process group raises, so the task's retries relaunch it and it resumes from its checkpoint."""
+def train(run_dir: str, name: str, gpus: list[int] | None = None, sharing: int = 1) -> dict[str, Any]:
+    """Train, resume or skip one branch (``warmup``, ``joint`` or a group number) or DiLoCo worker
+    (``<variant>/<k>``). A killed process group raises, so the task's retries relaunch it and it
+    resumes from its checkpoint. ``sharing``: jobs that share this machine's cores at once."""
     from pipeline.train import train_branch
+
+    cfg = run_config(run_dir)
+    if "/" in name:
+        from pipeline.diloco.launch import train_worker
+        from pipeline.diloco.plan import plan_of
+
+        variant, k = name.split("/")
+        return train_worker(plan_of(cfg, run_dir, variant), int(k), echo=False, gpus=gpus, sharing=sharing)
+    return asdict(train_branch(job_spec(cfg, run_dir, name), echo=False, gpus=gpus))
+
+
+def job_spec(cfg: RunConfig, run_dir: str, name: str):
+    """The branch spec of a branch or of a DiLoCo worker, by name."""
     from pipeline.train.plan import branch_spec
 
-    return asdict(train_branch(branch_spec(run_config(run_dir), run_dir, name), echo=False, gpus=gpus))
+    if "/" in name:
+        from pipeline.diloco.plan import plan_of
+
+        variant, k = name.split("/")
+        return plan_of(cfg, run_dir, variant).workers[int(k)]
+    return branch_spec(cfg, run_dir, name)
 
 
 @task(name="train-branch-remote", task_run_name="train-{name}")
@@ -84,10 +103,9 @@ def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
 
     from flows.heartbeat import claim, wait_for
     from pipeline.layout import training_dir
-    from pipeline.train.plan import branch_spec
 
     cfg = run_config(run_dir)
-    folder, timeout_s = training_dir(run_dir, name), branch_spec(cfg, run_dir, name).train.timeout_s
+    folder, timeout_s = training_dir(run_dir, name), job_spec(cfg, run_dir, name).train.timeout_s
     run = run_deployment(
         deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}", timeout=0
     )

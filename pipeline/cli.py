@@ -93,7 +93,7 @@ def cmd_check(args: argparse.Namespace) -> None:
     from pipeline.preflight import check_run
 
     cfg, run_dir = resolve_run(args)
-    for what, found in check_run(cfg, run_dir).items():
+    for what, found in check_run(cfg, run_dir, diloco=args.flow == "diloco").items():
         print(f"{what:<10} ok: {found}")
 
 
@@ -124,14 +124,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network at run time
     # The ephemeral server's first start migrates its database: over 20 s on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from flows.diloco import diloco
     from flows.merit import joint, merit
 
     if args.config is None and args.run_dir is None:
         raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
+    flows = {"merit": merit, "joint": joint, "diloco": diloco}
     try:
-        report = (joint if args.flow == "joint" else merit)(
-            config=args.config, overrides=args.overrides, run_dir=args.run_dir
-        )
+        report = flows[args.flow](config=args.config, overrides=args.overrides, run_dir=args.run_dir)
     except RuntimeError as err:  # a failed stage; Prefect has logged the details
         sys.exit(f"merit: the {args.flow} flow failed: {err}")
     print(f"report: {report}")
@@ -208,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(prepare).set_defaults(func=cmd_prepare)
     add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
     check = sub.add_parser("check", help="check what would fail late (θ0, data paths, DeepSpeed, merges, GPUs)")
-    add_run_options(check, force=False).set_defaults(func=cmd_check)
+    add_run_options(check, force=False).add_argument(
+        "--flow", choices=["merit", "joint", "diloco"], default="merit", help="the flow to check for"
+    )
+    check.set_defaults(func=cmd_check)
     train = sub.add_parser("train", help="train (or resume) one branch of a run: warmup, joint or a group number")
     add_run_options(train, force=False).add_argument("--branch", required=True, help="warmup, joint, 0, 1, ...")
     train.set_defaults(func=cmd_train)
@@ -219,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="the whole pipeline as a Prefect flow (local ephemeral server unless PREFECT_API_URL)"
     )
     add_run_options(run, force=False).add_argument(
-        "--flow", choices=["merit", "joint"], default="merit", help="merit (default), or the joint baseline alone"
+        "--flow",
+        choices=["merit", "joint", "diloco"],
+        default="merit",
+        help="merit (default), the joint baseline alone, or multi-round DiLoCo (diloco.methods)",
     )
     run.set_defaults(func=cmd_run)
 
@@ -273,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+    bench = benches.add_parser("diloco", help="DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib")
+    bench.add_argument("--workers", type=int, nargs="+", default=[4], help="numbers of workers R")
+    bench.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
+    bench.add_argument("--rounds", type=int, default=20, help="outer rounds (T)")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        choices=["dp", "diloco", "isoloco", "average"],
+        default=["dp", "diloco", "isoloco", "average"],
+        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0)",
+    )
+    bench.add_argument("--out", default="runs/bench-diloco", help="folder for results.json and loss.png")
     for bench in benches.choices.values():
         bench.set_defaults(func=cmd_bench)
     return parser

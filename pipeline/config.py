@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.merge.registry import get_method
-from pipeline.merge.rules import Rule
+from pipeline.merge.rules import Rule, rules_for
 
 
 class ConfigError(ValueError):
@@ -208,6 +208,10 @@ class MergeEntry(Section):
             get_method(self.method).validate(self.params)
         return self
 
+    @property
+    def effective_rules(self) -> list[Rule]:
+        return rules_for(self.method, self.params, self.rules)
+
 
 class MergeSection(Section):
     methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]
@@ -219,6 +223,45 @@ class MergeSection(Section):
     @model_validator(mode="after")
     def _unique_names(self) -> MergeSection:
         require_unique([m.name for m in self.methods], "merge")
+        return self
+
+
+class DilocoMethod(MergeEntry):
+    """One DiLoCo variant: the merge method (or rules) that aggregates the workers' pseudo-gradients
+    and the outer Nesterov SGD that steps the global weights with the aggregate."""
+
+    outer_lr: float = Field(0.7, gt=0)  # η
+    outer_momentum: float = Field(0.9, ge=0, lt=1)  # μ
+    nesterov: bool = True
+
+
+class DilocoSection(Section):
+    """Multi-round training (DiLoCo, IsoLoCo): R workers train ``inner_steps`` (H) steps from the
+    global weights, the aggregate of their pseudo-gradients takes an outer step, ``rounds`` (T)
+    times. Each method is a run of its own from θ0 with the same workers, shards and budget."""
+
+    shards: Literal["iid", "merit", "random", "given"] = "iid"
+    workers: int | None = Field(None, ge=1)  # R; default K (calibration.r); merit shards: R = K
+    groups: list[list[str]] | None = None  # for shards: given
+    inner_steps: int = Field(50, ge=1)  # H
+    # T; default: the joint baseline's budget (train.epochs over all the data) in whole rounds.
+    rounds: int | None = Field(None, ge=1)
+    min_workers: int = Field(1, ge=1)  # a round aggregates at least this many workers, else the run fails
+    compression: Literal["none", "bf16", "int8"] = "none"  # of the pseudo-gradients the workers send
+    error_feedback: bool = False  # a worker adds what compression dropped to its next round's Δ
+    eval_every: int = Field(1, ge=0)  # held-out loss of the global model every n rounds (0: the last only)
+    methods: list[DilocoMethod] = [
+        DilocoMethod(name="diloco", method="weighted_average", outer_lr=0.7, outer_momentum=0.9),
+        DilocoMethod(name="isoloco", method="iso_c", outer_lr=1.8, outer_momentum=0.8),
+    ]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DilocoSection:
+        require_unique([m.name for m in self.methods], "diloco method")
+        if (self.shards == "given") != (self.groups is not None):
+            raise ValueError("diloco.groups is required for shards 'given' and only for it")
+        if self.groups is not None and self.workers not in (None, len(self.groups)):
+            raise ValueError(f"diloco.workers is {self.workers} but diloco.groups has {len(self.groups)} groups")
         return self
 
 
@@ -264,6 +307,7 @@ class RunConfig(Section):
     calibration: CalibrationSection = CalibrationSection()
     train: TrainSection = TrainSection()
     merge: MergeSection = MergeSection()
+    diloco: DilocoSection = DilocoSection()
     eval: EvalSection = EvalSection()
     flow: FlowSection = FlowSection()
 
@@ -272,6 +316,25 @@ class RunConfig(Section):
         """K: the number of groups the split makes (2^r, or the given groups)."""
         c = self.calibration
         return len(c.groups) if c.method == "given" else 2**c.r
+
+    @property
+    def diloco_workers(self) -> int:
+        """R: the given shards' count, K for merit shards, else ``diloco.workers`` (default K)."""
+        d = self.diloco
+        if d.shards == "given":
+            return len(d.groups)
+        return self.branch_count if d.shards == "merit" else d.workers or self.branch_count
+
+    @model_validator(mode="after")
+    def _diloco_workers(self) -> RunConfig:
+        d = self.diloco
+        if d.shards == "merit" and d.workers not in (None, self.branch_count):
+            raise ValueError(
+                f"diloco.workers is {d.workers}, but merit shards are the split's K = {self.branch_count} groups"
+            )
+        if d.min_workers > self.diloco_workers:
+            raise ValueError(f"diloco.min_workers ({d.min_workers}) exceeds the {self.diloco_workers} workers")
+        return self
 
     def digest(self, *sections: str) -> str:
         """A stable hash of some sections, used to decide whether a stage's outputs are stale."""

@@ -17,6 +17,8 @@ CALIBRATION = "calibration"
 BRANCHES = "branches"  # branches/<k>/ for the K groups of the split
 JOINT = "joint"  # the joint baseline, trained like a branch on every source
 MERGED = "merged"  # merged/<name>/ for each merge the config lists
+DILOCO = "diloco"  # diloco/<method>-<shards>/ for each DiLoCo method the config lists
+DILOCO_PLAN = "plan.json"  # a DiLoCo variant's settings, in its folder
 EVAL = "eval"  # eval/<model>.json
 REPORT = "report"
 
@@ -68,8 +70,16 @@ def branch_dir(run_dir: str | Path, k: int) -> Path:
     return Path(run_dir) / BRANCHES / str(k)
 
 
+def diloco_dir(run_dir: str | Path, variant: str) -> Path:
+    return Path(run_dir) / DILOCO / variant
+
+
 def training_dir(run_dir: str | Path, name: str) -> Path:
-    """The folder of a run's training by name: ``warmup``, ``joint`` or a group number."""
+    """The folder of a run's training by name: ``warmup``, ``joint``, a group number or a DiLoCo
+    worker ``<variant>/<k>``."""
+    if "/" in name:
+        variant, k = name.split("/")
+        return diloco_dir(run_dir, variant) / "workers" / k
     return Path(run_dir) / name if name in (WARMUP, JOINT) else branch_dir(run_dir, int(name))
 
 
@@ -99,7 +109,17 @@ def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
         **{f"branch-{k}": branch_dir(run_dir, k) / "final" for k in range(len(groups))},
         "joint": run_dir / JOINT / "final",
         **{f"merged-{m.name}": merged_dir(run_dir, m.name) for m in cfg.merge.methods},
+        **diloco_finals(run_dir),
     }
+
+
+def diloco_finals(run_dir: str | Path) -> dict[str, Path]:
+    """The last global weights of every DiLoCo variant the run directory holds, by variant name
+    (``<method>-<shards>``): the folder its plan says the run ends in."""
+    finals = {}
+    for plan in sorted((Path(run_dir) / DILOCO).glob(f"*/{DILOCO_PLAN}")):
+        finals[plan.parent.name] = plan.parent / "global" / str(json.loads(plan.read_text())["rounds"])
+    return finals
 
 
 def run_models(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:

@@ -23,16 +23,12 @@ class PreflightError(ConfigError):
     """Everything about a run that would fail later, named, one line each."""
 
 
-def check_run(cfg: RunConfig, run_dir: str | Path) -> dict[str, str]:
-    """Raise :class:`PreflightError` listing every problem; return what was checked (a line each)."""
+def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict[str, str]:
+    """Raise :class:`PreflightError` listing every problem; return what was checked (a line each).
+    ``diloco``: the run is the DiLoCo flow's (its workers' settings are checked too)."""
     checked, problems = {}, []
-    for name, check in (
-        ("θ0", _theta0),
-        ("data", _data),
-        ("deepspeed", _deepspeed),
-        ("merges", _merges),
-        ("devices", _devices),
-    ):
+    checks = [("θ0", _theta0), ("data", _data), ("deepspeed", _deepspeed), ("merges", _merges), ("devices", _devices)]
+    for name, check in checks + ([("diloco", _diloco)] if diloco else []):
         try:
             checked[name] = check(cfg, run_dir)
         except (ConfigError, OSError, ValueError) as err:
@@ -117,3 +113,9 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
     if gpus and not cfg.flow.branch_deployment and cfg.train.processes > gpus:
         raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
     return f"{gpus} GPU(s)" if gpus else "CPU only"
+
+
+def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
+    from pipeline.diloco.plan import check_diloco
+
+    return check_diloco(cfg, torch.cuda.device_count())

@@ -1,8 +1,9 @@
 """Integration with a real Prefect server: start it, create the process work pool, deploy
-``merit/demo`` and ``merit-branch/branch-local`` from prefect.yaml, ``prefect deployment run``
-the merit flow with its branches fanned out as flow runs that a worker runs, and check through
-the API that the runs completed and published the report; then lose the worker's machine
-mid-branch and check that the run still ends with the same weights."""
+``merit/demo``, ``diloco/diloco-demo`` and ``merit-branch/branch-local`` from prefect.yaml,
+``prefect deployment run`` the merit flow with its branches fanned out as flow runs that a worker
+runs, and check through the API that the runs completed and published the report; then lose the
+worker's machine mid-branch and check that the run still ends with the same weights; then the
+DiLoCo flow with its workers fanned out the same way."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -72,7 +74,7 @@ def server(tmp_path_factory):
             assert time.monotonic() < deadline, "the Prefect server did not start in 180 s"
             time.sleep(0.5)
         prefect(env, "work-pool", "create", "merit-local", "--type", "process")
-        prefect(env, "deploy", "--name", "demo", "--name", "branch-local")
+        prefect(env, "deploy", "--name", "demo", "--name", "diloco-demo", "--name", "branch-local")
         yield env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -142,14 +144,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def fanned_out(server, tmp_path_factory) -> tuple[Path, str]:
-    """flow.branch_deployment: every branch is a flow run of merit-branch/branch-local, picked up by
-    the pool's worker like any run (on a GPU pool: a machine each), while the merit run waits."""
-    tmp_path = tmp_path_factory.mktemp("fan-out")
+def run_deployment(server: dict, tmp_path: Path, deployment: str, overrides: list[str]) -> tuple[Path, str]:
+    """``prefect deployment run`` with a pool worker to run it and its children; waits for the end."""
     run_dir = tmp_path / "run"
-    params = json.dumps({"overrides": FAN_OUT, "run_dir": str(run_dir)})
-    parent_id = flow_run_id(prefect(server, "deployment", "run", "merit/demo", "--params", params))
+    params = json.dumps({"overrides": overrides, "run_dir": str(run_dir)})
+    parent_id = flow_run_id(prefect(server, "deployment", "run", deployment, "--params", params))
     worker = start_worker(server, tmp_path / "worker.log")
     try:
         deadline = time.monotonic() + 600
@@ -161,6 +160,13 @@ def fanned_out(server, tmp_path_factory) -> tuple[Path, str]:
         worker.wait(timeout=60)
     assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
     return run_dir, parent_id
+
+
+@pytest.fixture(scope="module")
+def fanned_out(server, tmp_path_factory) -> tuple[Path, str]:
+    """flow.branch_deployment: every branch is a flow run of merit-branch/branch-local, picked up by
+    the pool's worker like any run (on a GPU pool: a machine each), while the merit run waits."""
+    return run_deployment(server, tmp_path_factory.mktemp("fan-out"), "merit/demo", FAN_OUT)
 
 
 def test_a_deployment_run_fans_its_branches_out_and_publishes_the_report(server, fanned_out):
@@ -226,3 +232,30 @@ def test_a_branch_whose_machine_is_lost_is_crashed_resubmitted_and_resumed(serve
     assert "branch 0: resumed from step" in (run_dir / "branches" / "0" / "train.log").read_text()
     a, b = (load_file(d / "merged" / "token_average" / "model.safetensors") for d in (reference, run_dir))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_diloco_deployment_run_trains_its_workers_as_flow_runs_of_the_branch_deployment(server, tmp_path):
+    """The DiLoCo workers live for the whole run, each a flow run of merit-branch/branch-local (on
+    a GPU pool: a machine each), while the diloco run aggregates their rounds. In bf16, as on GPUs:
+    the global weights stay fp32 (bf16 would round the outer steps away)."""
+    overrides = [
+        *OVERRIDES,
+        "model.dtype=bfloat16",
+        "flow.branch_deployment=merit-branch/branch-local",
+        "diloco.inner_steps=2",
+        "diloco.rounds=2",
+        "diloco.methods=[{name: isoloco, method: iso_c, outer_lr: 1.8, outer_momentum: 0.8}]",
+    ]
+    run_dir, parent_id = run_deployment(server, tmp_path, "diloco/diloco-demo", overrides)
+    children = api(server, "flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}}})
+    assert sorted(r["name"] for r in children) == ["branch-isoloco-iid/0", "branch-isoloco-iid/1"]
+    assert all(r["state"]["type"] == "COMPLETED" for r in children)
+    records = json.loads((run_dir / "diloco" / "isoloco-iid" / "rounds.json").read_text())
+    assert [(r["round"], r["workers"]) for r in records] == [(0, [0, 1]), (1, [0, 1])]
+    final = run_dir / "diloco" / "isoloco-iid" / "global" / "2"
+    AutoModelForImageTextToText.from_pretrained(final)
+    trained = load_file(final / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert trained.dtype == torch.float32 and not torch.equal(trained, trained.bfloat16().float())
+    artifacts = api(server, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [parent_id]}}})
+    report = next(a for a in artifacts if a["key"] == "demo-report")
+    assert "## DiLoCo" in report["data"] and "isoloco-iid" in report["data"]

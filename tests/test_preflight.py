@@ -9,7 +9,7 @@ from conftest import hub_snapshot
 
 from pipeline.checkpoint import checkpoint_id
 from pipeline.cli import main as merit
-from pipeline.config import load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.hub import ModelNotFoundError, resolve_model
 from pipeline.layout import base_path, start_run
 from pipeline.preflight import PreflightError, check_run
@@ -98,3 +98,21 @@ def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
     cfg = load_config(ROOT / "configs/demo.yaml", [f"train.deepspeed={stage7}"])
     with pytest.raises(PreflightError, match="DeepSpeed refuses it.*stage"):
         check_run(cfg, tmp_path / "run")
+
+
+def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
+    settings = ["train.deepspeed=configs/deepspeed/zero3.json", "diloco.shards=random", "diloco.workers=3"]
+    cfg = load_config(ROOT / "configs/demo.yaml", [s.replace("configs/", f"{ROOT}/configs/") for s in settings])
+    with pytest.raises(PreflightError) as err:
+        check_run(cfg, tmp_path / "run", diloco=True)
+    (line,) = str(err.value).splitlines()[1:]
+    assert line.strip().startswith("diloco: ") and "uses ZeRO-3" in line and "3 workers is not a power of 2" in line
+    assert "diloco" not in check_run(load_config(ROOT / "configs/demo.yaml"), tmp_path / "run")  # merit flow
+    for bad, message in [
+        (["diloco.shards=merit", "diloco.workers=4"], "merit shards are the split's K = 2 groups"),
+        (["diloco.shards=given"], "diloco.groups is required"),
+        (["diloco.min_workers=3"], "exceeds the 2 workers"),
+        (["diloco.methods=[{name: a, method: iso_c, outer_momentum: 1.0}]"], "outer_momentum"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(ROOT / "configs/demo.yaml", bad)

@@ -15,6 +15,7 @@ from pipeline.data import Collator, Encoder, load_sources
 from pipeline.models import load_model
 from pipeline.models.loss import mean_nll, supervised_nll
 from pipeline.train import BranchSpec
+from pipeline.train.launch import BranchFailed
 from pipeline.train.loader import StepBatches, step_batches
 from pipeline.train.plan import all_sources, group_specs, joint_spec
 from pipeline.train.sampling import BatchOrder, BranchData
@@ -116,3 +117,29 @@ def test_the_loss_without_full_logits_equals_the_models_own_in_value_and_gradien
     for pieces in (None, 3):  # a rank without answers still projects as often as the others
         nll, count = supervised_nll(model, unsupervised, pieces=pieces)
         assert count == 0 and nll.item() == 0 and nll.requires_grad  # still part of the graph
+
+
+TORCHRUN_REPORT = """Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 11)
+  traceback : Signal 15 (SIGTERM) received by PID 11
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : {code} (pid: 10)
+  traceback : {why}
+============================================================
+"""
+
+
+def test_a_failed_branch_is_killed_only_when_its_first_failing_rank_was(tmp_path):
+    """torchrun stops the other ranks with SIGTERM after the first one fails: that is no kill."""
+    log = tmp_path / "train.log"
+    log.write_text(TORCHRUN_REPORT.format(code=1, why="To enable traceback see: https://pytorch.org"))
+    failed = BranchFailed("0", 1, log)
+    assert not failed.killed and "exit code 1" in str(failed)
+    log.write_text(TORCHRUN_REPORT.format(code=-9, why="Signal 9 (SIGKILL) received by PID 10"))
+    assert BranchFailed("0", 1, log).killed and "killed (SIGKILL)" in str(BranchFailed("0", 1, log))
+    assert BranchFailed("0", -9, tmp_path / "none.log").killed  # one rank, no launcher: the exit code

@@ -40,6 +40,13 @@ def evaluate_model(
         cached = json.loads(path.read_text())
         if all(cached.get(k) == v for k, v in identity.items()):
             return cached
+    result = score_heldout(cfg, run_dir, name, checkpoint) | identity
+    write_json_atomic(path, result)
+    return result
+
+
+def score_heldout(cfg: RunConfig, run_dir: str | Path, name: str, checkpoint: str) -> dict[str, Any]:
+    """Per-source and overall held-out loss and token accuracy of one checkpoint (not cached)."""
     start = time.perf_counter()
     limit = cfg.eval.max_examples_per_source
     heldout = {src: items[:limit] for src, items in load_split(cfg, run_dir, "heldout").items() if items}
@@ -73,18 +80,15 @@ def evaluate_model(
                 "examples": len(items),
             }
     total = sum(s["tokens"] for s in sources.values())
-    result = {
+    return {
         "model": name,
         "checkpoint": str(checkpoint),
-        **identity,
         "sources": sources,
         "loss": sum(s["loss"] * s["tokens"] for s in sources.values()) / total,
         "macro_loss": sum(s["loss"] for s in sources.values()) / len(sources),
         "token_accuracy": sum(s["token_accuracy"] * s["tokens"] for s in sources.values()) / total,
         "seconds": time.perf_counter() - start,
     }
-    write_json_atomic(path, result)
-    return result
 
 
 def _score(model: Any, batch: dict[str, torch.Tensor], device: str) -> tuple[float, int, int]:

@@ -49,6 +49,11 @@ class Rule(BaseModel):
         return any(fnmatchcase(name, p) for p in self.patterns)
 
 
+def rules_for(method: str | None, params: dict[str, Any], rules: list[Rule] | None) -> list[Rule]:
+    """The rules of a merge given as one method for every tensor, or as rules."""
+    return rules if rules is not None else [Rule(pattern="*", method=method, params=params)]
+
+
 def choose(name: str, rules: list[Rule]) -> tuple[MergeMethod, MethodParams]:
     for rule in rules:
         if rule.matches(name):

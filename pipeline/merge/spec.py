@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.merge.registry import get_method
-from pipeline.merge.rules import Rule
+from pipeline.merge.rules import Rule, rules_for
 
 
 class MergeSpecError(ValueError):
@@ -94,7 +94,7 @@ class MergeSpec(BaseModel):
 
     @property
     def effective_rules(self) -> list[Rule]:
-        return self.rules if self.rules is not None else [Rule(pattern="*", method=self.method, params=self.params)]
+        return rules_for(self.method, self.params, self.rules)
 
     def normalized_weights(self) -> torch.Tensor:
         raw = torch.tensor([e.raw_weight for e in self.models], dtype=torch.float64)

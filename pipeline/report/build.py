@@ -29,16 +29,29 @@ from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
 from pipeline.data.prepare import active_sources
 from pipeline.data.prepare import read_manifest as read_data_manifest
-from pipeline.layout import BRANCHES, CALIBRATION, CONFIG, EVAL, JOINT, MERGED, REPORT, WARMUP, model_paths
+from pipeline.layout import (
+    BRANCHES,
+    CALIBRATION,
+    CONFIG,
+    EVAL,
+    JOINT,
+    MERGED,
+    REPORT,
+    WARMUP,
+    diloco_finals,
+    model_paths,
+)
+from pipeline.report.diloco import diloco_section
 from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_training_curves
 
-KINDS = ("theta0", "branch", "joint", "merged")  # the models' fixed order; a model's kind is its name prefix
+KINDS = ("theta0", "branch", "joint", "merged", "diloco")  # the models' fixed order; a model's kind is its name prefix
 MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
 TARGET_SHARE_PCT = 5.0  # ours
 PLOT_FILES = {
     "heldout_loss.png": "held-out loss",
     "per_source.png": "per-source loss against θ0",
     "training_curves.png": "training curves",
+    "diloco.png": "DiLoCo rounds",
 }  # the report's own PNGs and their alt texts
 
 
@@ -93,8 +106,11 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     others += [
         str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()
     ]
+    if diloco := diloco_section(run_dir, out, models):
+        report["diloco"] = {k: diloco[k] for k in ("rows", "notes")}
+        own.append(diloco["plot"])
     report["plots"] = own + [f"../{p}" for p in others]  # relative to report/, as report.md links them
-    report["tables"] = _tables(models, sources, branches, split)
+    report["tables"] = _tables(models, sources, branches, split) | ({"diloco": diloco["table"]} if diloco else {})
 
     _write_text_atomic(out / "report.md", _markdown(report, own, others))
     write_json_atomic(out / "report.json", report)  # last: its presence means the report is whole
@@ -147,8 +163,9 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _models(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
     """The evaluations of the run's models as configured now: not those of merges dropped from the
     config or of branches from an earlier split, nor those of weights since replaced."""
-    models = []
-    for name, checkpoint in sorted(model_paths(cfg, run_dir).items(), key=lambda kv: _order(kv[0])):
+    models, finals = [], diloco_finals(run_dir)
+    paths = model_paths(cfg, run_dir)
+    for name, checkpoint in sorted(paths.items(), key=lambda kv: _order("diloco" if kv[0] in finals else kv[0])):
         path = run_dir / EVAL / f"{name}.json"
         result = json.loads(path.read_text()) if path.is_file() else None
         if result is None or (checkpoint.exists() and result.get("checkpoint_id") != checkpoint_id(checkpoint)):
@@ -156,7 +173,7 @@ def _models(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
         models.append(
             {
                 "name": path.stem,
-                "kind": model_kind(path.stem),
+                "kind": "diloco" if name in finals else model_kind(name),
                 "checkpoint": result.get("checkpoint"),
                 **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
                 "sources": result.get("sources", {}),
@@ -414,6 +431,16 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             _budget_line(report.get("budget", {}), report["branches"]),
             figure.get("training_curves.png", ""),
             markdown_table(**tables["branches"]),
+        )
+    if "diloco" in tables:
+        section(
+            "DiLoCo",
+            "Multi-round training from the same θ0: R workers, H inner steps a round, the merge library "
+            "aggregating their pseudo-gradients, an outer step on the global weights. Bytes: what the "
+            "workers sent, and against a data-parallel run all-reducing fp32 gradients every step.",
+            "\n".join(f"- {note}" for note in report["diloco"]["notes"]),
+            figure.get("diloco.png", ""),
+            markdown_table(**tables["diloco"]),
         )
     if split := report.get("split"):
         variance = ", ".join(f"{100 * v:.1f} %" for v in split.get("explained_variance", []))

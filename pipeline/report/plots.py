@@ -17,6 +17,7 @@ KIND_COLOURS = {
     "branch": "tab:blue",
     "joint": "tab:green",
     "merged": "tab:orange",
+    "diloco": "tab:red",
     "other": "tab:purple",
 }
 ANNOTATE_CELLS = 200  # above this many heatmap cells the numbers would be unreadable
@@ -81,3 +82,65 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
+    """Per DiLoCo variant: held-out loss of the global model against rounds and against the bytes
+    the workers sent, the workers' mean pairwise cosine (drift), and where a round's time went."""
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for variant, records in runs.items():
+        evaluated = [r for r in records if r.get("heldout_loss") is not None]
+        rounds = [r["round"] + 1 for r in evaluated]
+        sent = np.cumsum([r["bytes"]["sent"] for r in records])
+        axes[0, 0].plot(rounds, [r["heldout_loss"] for r in evaluated], marker="o", ms=3, label=variant)
+        axes[0, 1].plot(
+            [sent[r["round"]] for r in evaluated],
+            [r["heldout_loss"] for r in evaluated],
+            marker="o",
+            ms=3,
+            label=variant,
+        )
+        axes[1, 0].plot([r["round"] + 1 for r in records], [r["mean_cosine"] for r in records], label=variant)
+    variants = list(runs)
+    shares = [round_time_shares(runs[v]) for v in variants]
+    for part in shares[0]:
+        axes[1, 1].bar(variants, [x[part] for x in shares], bottom=_stacked(axes[1, 1], len(variants)), label=part)
+    titles = [
+        ("round", "held-out loss", "Held-out loss of the global model"),
+        ("bytes sent by the workers (cumulative)", "held-out loss", "Loss against communication"),
+        ("round", "mean pairwise cosine of Δ_k", "Worker drift"),
+        ("", "% of the rounds' wall time", "Where a round's time goes (rounds after the first)"),
+    ]
+    for ax, (x, y, title) in zip(axes.flat, titles):
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 1].set_xscale("log")
+    return _save(fig, path)
+
+
+def _stacked(ax: plt.Axes, n: int) -> np.ndarray:
+    """The tops of the bars already on ``ax``: where the next stack segment starts."""
+    tops = np.zeros(n)
+    for container in ax.containers:
+        tops += np.array([bar.get_height() for bar in container])
+    return tops
+
+
+def round_time_shares(records: list[dict]) -> dict[str, float]:
+    """% of the rounds' wall time in each part of a round, over the rounds after the first (whose
+    wall time includes starting the workers)."""
+    s = [r["seconds"] for r in records[1:] or records]
+    total = sum(x["wall"] for x in s) or 1.0
+    parts = {
+        "inner steps": sum(x["inner"] for x in s),
+        "worker IO": sum(x["worker_io"] for x in s),
+        "merge": sum(x["merge"] for x in s),
+        "drift": sum(x.get("drift", 0.0) for x in s),
+        "outer step": sum(x["outer"] for x in s),
+        "aggregator IO": sum(x["aggregate"] - x["merge"] - x.get("drift", 0.0) - x["outer"] for x in s),
+    }
+    parts["other (waits)"] = max(total - sum(parts.values()), 0.0)
+    return {k: 100 * v / total for k, v in parts.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ class TrainState:
     tokens_seen: int = 0
     examples_seen: int = 0
     elapsed_s: float = 0.0  # training seconds, summed over resumed runs
+    rounds: int = 0  # DiLoCo: the rounds this worker has trained (a branch: 0)
 
 
 class Checkpointer:
@@ -37,11 +39,17 @@ class Checkpointer:
         self.spec, self.engine, self.rank = spec, engine, rank
         self.folder, self.digest = Path(spec.out_dir) / "checkpoints", spec.digest()
 
+    def latest(self) -> Path | None:
+        """The folder of the last whole checkpoint, if any."""
+        if not (self.folder / LATEST).is_file():
+            return None
+        return self.folder / json.loads((self.folder / LATEST).read_text())["tag"]
+
     def resume(self) -> TrainState:
         """The state of the last whole checkpoint (loaded into the engine), or a fresh one."""
-        if not (self.folder / LATEST).is_file():
+        if (latest := self.latest()) is None:
             return TrainState()
-        tag = json.loads((self.folder / LATEST).read_text())["tag"]
+        tag = latest.name
         # DeepSpeed asserts (no message) on a missing tag folder and returns None on an unreadable one.
         exists = (self.folder / tag).is_dir()
         path, client = self.engine.load_checkpoint(str(self.folder), tag=tag) if exists else (None, None)
@@ -57,11 +65,15 @@ class Checkpointer:
     def due(self, state: TrainState) -> bool:
         return state.step % self.spec.train.checkpoint_every == 0 and state.step < self.spec.train.steps
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, extra: Callable[[Path], None] | None = None) -> None:
+        """Save the engine state under ``step<N>``; ``extra`` (rank 0) writes more state into that
+        folder before the pointer names it."""
         tag = f"step{state.step}"
         self.engine.save_checkpoint(
             str(self.folder), tag=tag, client_state={**asdict(state), "spec_digest": self.digest}
         )
+        if extra is not None and self.rank == 0:
+            extra(self.folder / tag)
         dist.barrier()  # every rank's shard is on disk before the pointer moves
         if self.rank == 0:
             latest = self.folder / LATEST

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,8 +22,10 @@ from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.train.spec import BranchSpec
 
 KILLED = {137: "SIGKILL", 143: "SIGTERM", -9: "SIGKILL", -15: "SIGTERM"}
-# torchrun exits 1 when a rank dies by a signal; its report names the signal.
-RANK_KILLED = ("Signal 9 (SIGKILL)", "Signal 15 (SIGTERM)")
+# torchrun exits 1 when a rank dies by a signal; its report names the signal of the first
+# failure ("Root Cause"), after the ranks it then stopped itself (SIGTERM): only the former counts.
+ROOT_CAUSE = "Root Cause (first observed failure):"
+RANK_KILLED = re.compile(r"Signal \d+ \((SIGKILL|SIGTERM)\)")
 
 
 class BranchFailed(RuntimeError):
@@ -30,10 +33,19 @@ class BranchFailed(RuntimeError):
 
     def __init__(self, name: str, code: int, log: Path):
         tail = log.read_text(errors="replace")[-20_000:] if log.is_file() else ""
-        signal_name = KILLED.get(code) or next((s.split("(")[1].rstrip(")") for s in RANK_KILLED if s in tail), None)
+        signal_name = KILLED.get(code) or _root_cause_signal(tail)
         self.name, self.code, self.killed = name, code, signal_name is not None
         why = f"killed ({signal_name})" if self.killed else f"exit code {code}"
         super().__init__(f"branch {name}: training {why}; see {log}")
+
+
+def _root_cause_signal(log_tail: str) -> str | None:
+    """The signal that killed the first rank to fail in torchrun's last report, if one did."""
+    if ROOT_CAUSE not in log_tail:
+        return None
+    cause = log_tail.rsplit(ROOT_CAUSE, 1)[1].split("=" * 20, 1)[0]
+    found = RANK_KILLED.search(cause)
+    return found.group(1) if found else None
 
 
 @dataclass
@@ -52,17 +64,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(spec_path: Path, processes: int) -> tuple[list[str], dict[str, str]]:
-    """The branch's processes, run so that they die with the caller (``pipeline.train.lifetime``),
-    and the environment they need: torchrun for several ranks; one rank runs on its own, with
-    torchrun's variables set here (the launcher would cost a process and 2 s a branch)."""
+def command(spec_path: Path, processes: int, module: str = "pipeline.train.worker") -> tuple[list[str], dict[str, str]]:
+    """The job's processes (``module`` run on the spec), run so that they die with the caller
+    (``pipeline.train.lifetime``), and the environment they need: torchrun for several ranks; one
+    rank runs on its own, with torchrun's variables set here (the launcher would cost a process
+    and 2 s a branch)."""
     port = str(free_port())
     if processes == 1:
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-        argv = [sys.executable, "-u", "-m", "pipeline.train.lifetime", "pipeline.train.worker", str(spec_path)]
+        argv = [sys.executable, "-u", "-m", "pipeline.train.lifetime", module, str(spec_path)]
         return argv, env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     torchrun = ["torch.distributed.run", f"--nproc_per_node={processes}", "--nnodes=1", "--master_addr=127.0.0.1"]
-    worker = ["-m", "pipeline.train.worker", str(spec_path)]
+    worker = ["-m", module, str(spec_path)]
     return [sys.executable, "-m", "pipeline.train.lifetime", *torchrun, f"--master_port={port}", *worker], {}
 
 
@@ -82,13 +95,25 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     if is_complete(final):
         return _result(spec, final, 0.0, resumed=False)
     spec.validate_inputs()
-    spec_path = spec.save(out / "spec.json")
     resumed = (out / "checkpoints" / "latest.json").is_file()
-    argv, rank_env = command(spec_path, spec.train.processes)
+    seconds = run_job(spec, spec.save(out / "spec.json"), "pipeline.train.worker", echo, gpus)
+    return _result(spec, final, seconds, resumed)
+
+
+def run_job(
+    spec: BranchSpec, spec_path: Path, module: str, echo: bool, gpus: list[int] | None, sharing: int = 1
+) -> float:
+    """Run ``module`` on ``spec_path`` as the branch's process group until it exits; returns its
+    seconds. Output goes to ``train.log`` (and the caller's stdout with ``echo``); a failure or
+    the branch's timeout raises, naming the branch. ``sharing``: jobs sharing this machine's
+    CPU cores at once (each gets its share of threads)."""
+    out = Path(spec.out_dir)
+    argv, rank_env = command(spec_path, spec.train.processes, module)
+    threads = (os.cpu_count() or 1) // (spec.train.processes * sharing)
     env = {
         **os.environ,
         **rank_env,
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.train.processes)),
+        "OMP_NUM_THREADS": str(max(1, threads)),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
     }
     if gpus is not None:
@@ -124,7 +149,7 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     if code != 0:
         _kill_group(proc.pid)  # ranks of a killed launcher must not outlive it
         raise BranchFailed(spec.name, code, log)
-    return _result(spec, final, time.perf_counter() - start, resumed)
+    return time.perf_counter() - start
 
 
 def _refuse_other_spec(spec: BranchSpec, digest: str) -> None:

@@ -55,6 +55,8 @@ class BranchData:
         cfg = spec.config
         by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
         examples = [ex for name in spec.sources for ex in by_source[name]]
+        if spec.shard:
+            examples = examples[spec.shard[0] :: spec.shard[1]]
         return cls(
             examples,
             BatchOrder(len(examples), cfg.run.seed),

@@ -23,6 +23,8 @@ class BranchSpec(BaseModel):
     run_dir: str  # holds config.yaml and the prepared data
     init: str  # θ0: a checkpoint folder (ours, with a manifest, or a model as downloaded)
     sources: list[str]
+    # (i, n): only every n-th of the sources' examples from the i-th (a DiLoCo worker's iid shard)
+    shard: tuple[int, int] | None = None
     out_dir: str
     config: RunConfig  # resolved; the branch reads its model, data and train sections
 
@@ -43,7 +45,8 @@ class BranchSpec(BaseModel):
     def examples(self) -> int:
         """The branch's training examples, as prepared."""
         known = active_sources(read_manifest(self.run_dir))
-        return sum(known[s]["train_examples"] for s in self.sources if s in known)
+        total = sum(known[s]["train_examples"] for s in self.sources if s in known)
+        return len(range(self.shard[0], total, self.shard[1])) if self.shard else total
 
     def digest(self) -> str:
         """What the branch's weights depend on: θ0's identity, the sources and every setting that
@@ -53,6 +56,7 @@ class BranchSpec(BaseModel):
         inputs = {
             "init": checkpoint_id(self.init),
             "sources": self.sources,
+            **({"shard": list(self.shard)} if self.shard else {}),
             "train": train,
             "config": cfg.digest("run", "model", "data"),
         }
@@ -62,6 +66,8 @@ class BranchSpec(BaseModel):
         """Everything that can be checked before launching processes: fail in seconds, not later."""
         known = active_sources(read_manifest(self.run_dir))
         unknown = sorted(set(self.sources) - set(known))
+        if self.shard and not 0 <= self.shard[0] < self.shard[1]:
+            raise ValueError(f"branch {self.name}: shard {self.shard[0]} of {self.shard[1]} does not exist")
         if unknown or not self.sources:
             given = unknown or "(none given)"
             raise ValueError(f"branch {self.name}: unknown sources {given}; prepared: {sorted(known)}")

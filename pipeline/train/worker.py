@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from pipeline.models.loss import pieces_for
 from pipeline.train.checkpointing import Checkpointer, TrainState
 from pipeline.train.curves import plot_loss
-from pipeline.train.engine import Engine, build_engine, init_distributed
+from pipeline.train.engine import Engine, Rank, build_engine, init_distributed
 from pipeline.train.lifetime import die_with_parent
 from pipeline.train.loader import StepBatch, StepBatches, step_batches
 from pipeline.train.metrics import MetricsLog
@@ -55,32 +57,51 @@ def train_step(engine: Engine, batch: StepBatch, device: torch.device, chunk: in
     return counts[2].item() / max(counts[0].item(), 1.0), int(counts[1].item()), examples
 
 
-def main(spec_path: str) -> None:
-    die_with_parent()  # a killed launcher takes its ranks with it
-    spec = BranchSpec.load(spec_path)
-    out, t = Path(spec.out_dir), spec.train
-    rank = init_distributed()
-    torch.manual_seed(spec.config.run.seed)
-    engine = build_engine(spec, rank.world)
-    checkpointer = Checkpointer(spec, engine.engine, rank.rank)
-    state = checkpointer.resume()
-    metrics = MetricsLog(out / "metrics.jsonl", rank.rank, state.step)
-    data = BranchData.for_branch(spec, engine.processor)
-    loader = StepBatches(data, t, rank.rank, rank.world, pixel_dtype=engine.model.dtype)
-    batches = step_batches(loader, state.step, pin_memory=rank.device.type == "cuda")
+@dataclass
+class Branch:
+    """A rank's live training: the engine, its resumable state, the batches from the state's step
+    on, and the log."""
 
-    engine.engine.train()
-    while state.step < t.steps:
-        start, lr = time.perf_counter(), engine.lr  # the lr this step trains with
-        batch = next(batches)
+    spec: BranchSpec
+    rank: Rank
+    engine: Engine
+    checkpointer: Checkpointer
+    state: TrainState
+    metrics: MetricsLog
+    batches: Iterator[StepBatch]
+
+    @classmethod
+    def start(cls, spec: BranchSpec) -> Branch:
+        """Join the process group, build the engine, resume the last checkpoint, start the loader."""
+        rank = init_distributed()
+        torch.manual_seed(spec.config.run.seed)
+        engine = build_engine(spec, rank.world)
+        checkpointer = Checkpointer(spec, engine.engine, rank.rank)
+        state = checkpointer.resume()
+        metrics = MetricsLog(Path(spec.out_dir) / "metrics.jsonl", rank.rank, state.step)
+        data = BranchData.for_branch(spec, engine.processor)
+        loader = StepBatches(data, spec.train, rank.rank, rank.world, pixel_dtype=engine.model.dtype)
+        batches = step_batches(loader, state.step, pin_memory=rank.device.type == "cuda")
+        engine.engine.train()
+        return cls(spec, rank, engine, checkpointer, state, metrics, batches)
+
+    def step(self) -> None:
+        """Train one optimizer step and log it."""
+        state = self.state
+        start, lr = time.perf_counter(), self.engine.lr  # the lr this step trains with
+        batch = next(self.batches)
         waited = time.perf_counter() - start
-        loss, tokens, examples = train_step(engine, batch, rank.device, t.loss_chunk)
+        loss, tokens, examples = train_step(self.engine, batch, self.rank.device, self.spec.train.loss_chunk)
         seconds = time.perf_counter() - start
-        state = TrainState(
-            state.step + 1, state.tokens_seen + tokens, state.examples_seen + examples, state.elapsed_s + seconds
+        self.state = state = replace(
+            state,
+            step=state.step + 1,
+            tokens_seen=state.tokens_seen + tokens,
+            examples_seen=state.examples_seen + examples,
+            elapsed_s=state.elapsed_s + seconds,
         )
-        norm = engine.engine.get_global_grad_norm()
-        metrics.write(
+        norm = self.engine.engine.get_global_grad_norm()
+        self.metrics.write(
             {
                 "step": state.step,
                 "loss": loss,
@@ -93,11 +114,20 @@ def main(spec_path: str) -> None:
                 "elapsed_s": round(state.elapsed_s, 3),
             }
         )
-        if checkpointer.due(state):
-            checkpointer.save(state)
 
-    checkpointer.save_final(engine.model, engine.processor, state)
-    if rank.rank == 0:
+
+def main(spec_path: str) -> None:
+    die_with_parent()  # a killed launcher takes its ranks with it
+    branch = Branch.start(BranchSpec.load(spec_path))
+    spec, checkpointer = branch.spec, branch.checkpointer
+    while branch.state.step < spec.train.steps:
+        branch.step()
+        if checkpointer.due(branch.state):
+            checkpointer.save(branch.state)
+
+    checkpointer.save_final(branch.engine.model, branch.engine.processor, branch.state)
+    if branch.rank.rank == 0:
+        out = Path(spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"branch {spec.name}")
 
 

@@ -1,0 +1,364 @@
+"""``merit bench diloco``: DiLoCo, IsoLoCo and plain averaging against data-parallel training, at a
+small standard setting anyone can rerun and compare with the papers' tables.
+
+A text-only ``Qwen2ForCausalLM`` (hidden 128, 4 layers, 4 heads, 2 KV heads, intermediate 384,
+untied embeddings, bytes 0–255 plus an end-of-document token, context 128: 0.85 M parameters)
+learns the Python standard library's own top-level modules (installed with Python, ≈ 5 MB; one
+file in 20 held out by a hash of its path). The R workers live in one process and take iid
+shards; every method starts from the same θ0 and sees the same tokens in the same steps: the
+data-parallel baseline's batch of R × 8 is the workers' R batches of 8 of that step. Inner
+AdamW β (0.9, 0.95), wd 0.1, lr 1e-3, 10 % warm-up then cosine to 0.1× over the T·H steps, each
+worker keeping its own AdamW state across rounds (as in DiLoCo). The outer step is
+:func:`pipeline.diloco.aggregate`, the library's own, so the figures are those of the code
+that runs distributed.
+
+Bytes are counted as fp32 sent by all R workers together: a DiLoCo round sends each Δ_k once
+(R · 4P); data-parallel is a ring all-reduce of the gradients every step (2(R − 1)/R · 4P per
+worker, 2(R − 1) · 4P in all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sysconfig
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from matplotlib.ticker import MaxNLocator
+from tqdm.auto import tqdm
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from pipeline.diloco import DILOCO, ISOLOCO, OuterSGD, aggregate
+from pipeline.merge import Rule
+from pipeline.train.engine import lr_lambda
+
+CONTEXT, EOD = 128, 256  # a window is CONTEXT inputs plus the shifted targets: CONTEXT + 1 ids
+HELDOUT_EVERY = 20  # a file is held out when crc32(its relative path) % 20 == 0: 1 in 20 (5 %)
+BATCH, EVAL_BATCH = 8, 64
+LR, BETAS, WEIGHT_DECAY, WARMUP_RATIO, MIN_LR_RATIO = 1e-3, (0.9, 0.95), 0.1, 0.1, 0.1
+MAX_THREADS = 4  # a 128-wide model gains nothing from more; the reference machine has 2 cores
+OUTER = {  # method: (outer optimizer, merge method aggregating the pseudo-gradients)
+    "diloco": (OuterSGD(**DILOCO), "weighted_average"),
+    "isoloco": (OuterSGD(**ISOLOCO), "iso_c"),
+    "average": (OuterSGD(lr=1.0, momentum=0.0), "weighted_average"),
+}
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # (windows, CONTEXT + 1) token ids
+    heldout: torch.Tensor
+    train_files: list[str]
+    heldout_files: list[str]
+    train_bytes: int
+    heldout_bytes: int
+
+
+def stdlib_files(root: Path) -> list[str]:
+    """The top-level modules of the standard library, by relative path: no packages, which
+    leaves out site-packages, the test suites, generated tables (encodings, pydoc_data) and the
+    GUI apps (idlelib, tkinter) — 168 files, 4.7 MB under CPython 3.11."""
+    return sorted(p.name for p in root.glob("*.py") if p.is_file())
+
+
+def is_heldout(relative: str) -> bool:
+    """A stable file-level split: the same files on every machine and Python run."""
+    return zlib.crc32(relative.encode()) % HELDOUT_EVERY == 0
+
+
+def windows(files: Iterable[bytes]) -> torch.Tensor:
+    """The files' bytes as ids, EOD after each, in one stream cut into windows of CONTEXT + 1 ids
+    that overlap by one, so every id but the first is a target once (a last partial window is
+    dropped)."""
+    stream = torch.cat(
+        [torch.cat([torch.frombuffer(bytearray(f), dtype=torch.uint8).long(), torch.tensor([EOD])]) for f in files]
+    )
+    n = (len(stream) - 1) // CONTEXT
+    return stream[: n * CONTEXT + 1].unfold(0, CONTEXT + 1, CONTEXT)
+
+
+def load_corpus(root: Path | None = None) -> Corpus:
+    """The modules of ``root`` (default: this Python's standard library), split by file so that
+    held-out code was never seen in part."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    names = stdlib_files(root)
+    kept, held = [n for n in names if not is_heldout(n)], [n for n in names if is_heldout(n)]
+    train, heldout = [(root / n).read_bytes() for n in kept], [(root / n).read_bytes() for n in held]
+    return Corpus(windows(train), windows(heldout), kept, held, sum(map(len, train)), sum(map(len, heldout)))
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """θ0, seeded: every method and every rerun starts from the same weights."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=EOD + 1,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        tie_word_embeddings=False,
+        max_position_embeddings=CONTEXT,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def lm_loss(model: Qwen2ForCausalLM, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
+
+
+@torch.no_grad()
+def heldout_loss(model: Qwen2ForCausalLM, heldout: torch.Tensor) -> float:
+    """Mean token NLL over every held-out window."""
+    model.eval()
+    total = sum(lm_loss(model, heldout[i : i + EVAL_BATCH], "sum").item() for i in range(0, len(heldout), EVAL_BATCH))
+    return total / heldout[:, 1:].numel()
+
+
+def epochs(indices: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
+    """Endless batches of ``indices``, a fresh seeded permutation each epoch (no repeats within one)."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = indices[torch.randperm(len(indices), generator=generator)]
+        yield from order[: len(order) - len(order) % batch].split(batch)
+
+
+def shard_batches(n_windows: int, workers: int, seed: int, batch: int = BATCH) -> list[Iterator[torch.Tensor]]:
+    """Worker k's batches from its iid shard, windows k, k + R, k + 2R, ...: each shard samples
+    every file of the stream."""
+    return [epochs(torch.arange(k, n_windows, workers), batch, seed + k) for k in range(workers)]
+
+
+class Learner:
+    """A model with its own AdamW and schedule over the whole run: one DiLoCo worker (its
+    optimizer state persists across rounds) or the data-parallel model."""
+
+    def __init__(self, model: Qwen2ForCausalLM, steps: int):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
+
+    def train(self, batches: Iterable[torch.Tensor]) -> None:
+        self.model.train()
+        for batch in batches:
+            lm_loss(self.model, batch).backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Run:
+    """One method's run: its global model at the end and the curve of rounds 1 to T (θ0, the same
+    for every method, is evaluated once)."""
+
+    model: Qwen2ForCausalLM
+    curve: list[dict] = field(default_factory=list)
+
+    def record(self, heldout: torch.Tensor, bytes_sent: int, **figures: float | None) -> None:
+        start = time.perf_counter()
+        loss = heldout_loss(self.model, heldout)
+        figures["eval_seconds"] = time.perf_counter() - start
+        sent = bytes_sent + (self.curve[-1]["bytes_sent"] if self.curve else 0)
+        self.curve.append({"round": len(self.curve) + 1, "loss": loss, "bytes_sent": sent, **figures})
+
+
+def run_diloco(
+    model0: Qwen2ForCausalLM,
+    train: torch.Tensor,
+    heldout: torch.Tensor,
+    workers: int,
+    inner_steps: int,
+    rounds: int,
+    method: str,
+    seed: int = 0,
+) -> Run:
+    """R workers, H inner steps each from the global weights, then the library's outer step."""
+    outer, merge_method = OUTER[method]
+    rules = [Rule(pattern="*", method=merge_method)]
+    run = Run(copy.deepcopy(model0))
+    theta = run.model.state_dict()  # the global model's own tensors: aggregate steps them in place
+    learners = [Learner(copy.deepcopy(model0), steps=inner_steps * rounds) for _ in range(workers)]
+    streams = shard_batches(len(train), workers, seed)
+    momentum: dict[str, torch.Tensor] = {}
+    for _ in tqdm(range(rounds), desc=f"R={workers} {method}", unit="round", leave=False):
+        start = time.perf_counter()
+        for learner, stream in zip(learners, streams):
+            learner.model.load_state_dict(theta)
+            learner.train(train[next(stream)] for _ in range(inner_steps))
+        trained = time.perf_counter()
+        stats = aggregate(theta, [w.model.state_dict() for w in learners], [1.0] * workers, rules, outer, momentum)
+        aggregated = time.perf_counter()
+        run.record(
+            heldout,
+            stats.bytes_sent,
+            mean_cosine=stats.mean_cosine,
+            train_seconds=trained - start,
+            aggregate_seconds=aggregated - trained,
+        )
+    return run
+
+
+def run_dp(
+    model0: Qwen2ForCausalLM,
+    train: torch.Tensor,
+    heldout: torch.Tensor,
+    workers: int,
+    inner_steps: int,
+    rounds: int,
+    seed: int = 0,
+) -> Run:
+    """One model, batches of R × 8 (the workers' batches of the same step), evaluated every H steps."""
+    learner = Learner(copy.deepcopy(model0), steps=inner_steps * rounds)
+    run = Run(learner.model)
+    streams = shard_batches(len(train), workers, seed)
+    step_bytes = 2 * (workers - 1) * 4 * sum(p.numel() for p in model0.parameters())
+    for _ in tqdm(range(rounds), desc=f"R={workers} dp", unit="round", leave=False):
+        start = time.perf_counter()
+        learner.train(train[torch.cat([next(s) for s in streams])] for _ in range(inner_steps))
+        run.record(heldout, step_bytes * inner_steps, mean_cosine=None, train_seconds=time.perf_counter() - start)
+    return run
+
+
+def run_method(
+    method: str, model0: Qwen2ForCausalLM, corpus: Corpus, workers: int, inner_steps: int, rounds: int
+) -> dict:
+    start = time.perf_counter()
+    if method == "dp":
+        run = run_dp(model0, corpus.train, corpus.heldout, workers, inner_steps, rounds)
+    else:
+        run = run_diloco(model0, corpus.train, corpus.heldout, workers, inner_steps, rounds, method)
+    final = run.curve[-1]
+    return {
+        "final_loss": final["loss"],
+        "bytes_sent": final["bytes_sent"],
+        "wall_seconds": time.perf_counter() - start,
+        "curve": run.curve,
+    }
+
+
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def compare_with_dp(methods: dict[str, dict]) -> None:
+    """Each method's degradation vs data-parallel, (loss − loss_dp) / loss_dp, as the IsoLoCo paper gives it."""
+    if "dp" in methods:
+        dp = methods["dp"]["final_loss"]
+        for r in methods.values():
+            r["vs_dp_percent"] = 100 * (r["final_loss"] - dp) / dp
+
+
+def summary_table(results: dict[int, dict[str, dict]]) -> str:
+    rows = [
+        [
+            str(workers),
+            method,
+            f"{r['final_loss']:.4f}",
+            f"{r['vs_dp_percent']:+.2f} %" if "vs_dp_percent" in r else "—",
+            f"{r['bytes_sent'] / 1e6:,.1f} MB",
+            f"{r['wall_seconds']:.0f}",
+        ]
+        for workers, methods in results.items()
+        for method, r in methods.items()
+    ]
+    return markdown(["R", "method", "held-out loss", "vs DP", "bytes sent", "wall s"], rows)
+
+
+def curve_table(initial: float, methods: dict[str, dict]) -> str:
+    rounds = len(next(iter(methods.values()))["curve"])
+    rows = [["0", *[f"{initial:.4f}"] * len(methods)]]
+    rows += [[str(t + 1), *[f"{r['curve'][t]['loss']:.4f}" for r in methods.values()]] for t in range(rounds)]
+    return markdown(["round", *methods], rows)
+
+
+def plot(results: dict[int, dict[str, dict]], out: Path) -> None:
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.5), squeeze=False, sharey=True)
+    for ax, (workers, methods) in zip(axes[0], results.items()):
+        for method, r in methods.items():
+            ax.plot([c["round"] for c in r["curve"]], [c["loss"] for c in r["curve"]], label=method)
+        ax.set(title=f"R = {workers}", xlabel="round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out loss (nats / byte)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def write_results(
+    out: Path, args: argparse.Namespace, corpus: Corpus, params: int, initial: float, results: dict
+) -> None:
+    """results.json: the setting, θ0's held-out loss, per R and method the final figures and the curve."""
+    setting = {
+        "corpus_files": {"train": len(corpus.train_files), "heldout": corpus.heldout_files},
+        "corpus_bytes": {"train": corpus.train_bytes, "heldout": corpus.heldout_bytes},
+        "windows": {"train": len(corpus.train), "heldout": len(corpus.heldout), "context": CONTEXT},
+        "parameters": params,
+        "inner": {
+            "lr": LR,
+            "betas": BETAS,
+            "weight_decay": WEIGHT_DECAY,
+            "warmup": WARMUP_RATIO,
+            "min": MIN_LR_RATIO,
+        },
+        "outer": {m: o.model_dump() | {"aggregate": a} for m, (o, a) in OUTER.items()},
+        "batch_per_worker": BATCH,
+        "inner_steps": args.inner_steps,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "bytes_sent": "fp32 by all workers: R·4P a round (DiLoCo methods), 2(R−1)·4P a step (dp, ring all-reduce)",
+    }
+    figures = {"setting": setting, "initial_loss": initial, "results": {f"R={w}": m for w, m in results.items()}}
+    (out / "results.json").write_text(json.dumps(figures, indent=1))
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(min(MAX_THREADS, torch.get_num_threads()))
+    corpus = load_corpus()
+    model0 = tiny_qwen2()
+    params = sum(p.numel() for p in model0.parameters())
+    print(
+        f"corpus: {len(corpus.train_files) + len(corpus.heldout_files)} stdlib modules, "
+        f"{(corpus.train_bytes + corpus.heldout_bytes) / 1e6:.2f} MB; held out: {len(corpus.heldout_files)} files "
+        f"(crc32 % {HELDOUT_EVERY} == 0), {corpus.heldout_bytes / 1e6:.2f} MB, {len(corpus.heldout)} windows; "
+        f"train: {len(corpus.train)} windows of {CONTEXT} + 1"
+    )
+    print(
+        f"model: Qwen2ForCausalLM, {params:,} parameters, fp32, {torch.get_num_threads()} threads; "
+        f"H = {args.inner_steps}, T = {args.rounds}, batch {BATCH} per worker"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    initial = heldout_loss(model0, corpus.heldout)
+    results: dict[int, dict[str, dict]] = {}
+    for workers in args.workers:
+        methods = results[workers] = {}
+        for method in args.methods:
+            methods[method] = run_method(method, model0, corpus, workers, args.inner_steps, args.rounds)
+            write_results(out, args, corpus, params, initial, results)  # a long run keeps what it has
+        compare_with_dp(methods)
+        write_results(out, args, corpus, params, initial, results)
+        print(f"\nheld-out loss per round, R = {workers}:\n{curve_table(initial, methods)}")
+    plot(results, out / "loss.png")
+    print(f"\n{summary_table(results)}")
+    print(
+        "\nbytes sent: fp32, by all R workers together; DiLoCo methods send each Δ_k once a round (R · 4P), "
+        "data-parallel is a ring all-reduce of the gradients every step (2(R − 1) · 4P); "
+        "wall s: training, aggregation and the held-out evaluation of every round"
+    )
+    print(f"outputs: {out / 'results.json'}, {out / 'loss.png'}")

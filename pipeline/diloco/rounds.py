@@ -1,0 +1,240 @@
+"""The rounds of a DiLoCo variant in its run-directory folder, and the aggregator.
+
+    diloco/<variant>/plan.json                the settings (a folder holds one plan's rounds)
+    diloco/<variant>/global/<r>/              θ after r rounds: a loadable checkpoint, with the
+                                              outer optimizer's state (outer/) and round.json
+    diloco/<variant>/deltas/<r>/<k>/          worker k's compressed pseudo-gradient of round r
+    diloco/<variant>/workers/<k>/             worker k's inner state, metrics and log
+    diloco/<variant>/rounds.json              every round's record
+
+Round 0 starts from θ0 itself. Every folder is written under a temporary name and renamed
+(``staged_dir``), so a global or a delta that exists is whole: a re-run resumes after the last
+global that exists, with the outer state saved beside it.
+
+Aggregation streams tensor by tensor: per trained tensor it holds θ's, the momentum buffer's,
+the output and the merge's working set (one worker's Δ at a time for the averages and Iso-C, a
+budgeted row block for the element-wise methods), never the R pseudo-gradients whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.checkpoint import (
+    read_manifest,
+    staged_dir,
+    verify_checkpoint,
+    write_json_atomic,
+    write_manifest,
+)
+from pipeline.config import DilocoMethod
+from pipeline.diloco.compress import SCALE_SUFFIX
+from pipeline.diloco.drift import DriftMeter
+from pipeline.diloco.outer import OuterSGD
+from pipeline.diloco.plan import DilocoPlan
+from pipeline.merge.driver import merge_tensor
+from pipeline.merge.inputs import Reader, TensorInputs, Workspace
+from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo, copy_aux_files
+from pipeline.merge.registry import TensorContext
+from pipeline.merge.rules import choose
+
+GLOBAL, DELTAS, OUTER, RECORDS = "global", "deltas", "outer", "rounds.json"
+MAX_SHARD = 5 << 30
+
+
+def global_dir(plan: DilocoPlan, r: int) -> Path:
+    return Path(plan.init) if r == 0 else Path(plan.folder) / GLOBAL / str(r)
+
+
+def delta_dir(plan: DilocoPlan, r: int, k: int) -> Path:
+    return Path(plan.folder) / DELTAS / str(r) / str(k)
+
+
+def rounds_done(plan: DilocoPlan) -> int:
+    """The rounds whose global weights exist (0: none, the run starts from θ0)."""
+    folder = Path(plan.folder) / GLOBAL
+    done = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+    return max((r for r in done if (folder / str(r) / "manifest.json").is_file()), default=0)
+
+
+def records(plan: DilocoPlan) -> list[dict[str, Any]]:
+    path = Path(plan.folder) / RECORDS
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def save_record(plan: DilocoPlan, record: dict[str, Any]) -> None:
+    """Add (or replace) a round's record in ``rounds.json``."""
+    kept = [r for r in records(plan) if r["round"] != record["round"]]
+    write_json_atomic(Path(plan.folder) / RECORDS, sorted([*kept, record], key=lambda r: r["round"]))
+
+
+def delta_reader(reader: CheckpointReader, name: str) -> Reader:
+    """Rows of a worker's Δ in fp32: int8 payloads are dequantised row by row with their scales."""
+    rows = reader.reader(name)
+    if reader.info[name].dtype != torch.int8:
+        return rows
+    scales, matrix = reader.reader(name + SCALE_SUFFIX), len(reader.info[name].shape) >= 2
+
+    def read(start: int, stop: int) -> torch.Tensor:
+        q = rows(start, stop).float()
+        if not matrix:  # a vector is one row: one scale
+            return q * scales(0, 1)[0]
+        return q * scales(start, stop).float().reshape(-1, *[1] * (q.dim() - 1))
+
+    return read
+
+
+def aggregate_round(
+    plan: DilocoPlan, r: int, workers: list[int], device: str = "cpu", block_mb: int = 1024
+) -> dict[str, Any]:
+    """Merge the pseudo-gradients the given workers sent for round r, take the outer step and
+    write ``global/<r+1>`` (weights, outer state, record); returns the round's record."""
+    start = time.perf_counter()
+    theta = CheckpointReader(global_dir(plan, r))
+    metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
+    deltas = [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
+    trained = [n for n in deltas[0].info if not n.endswith(SCALE_SUFFIX)]
+    weights = worker_weights(plan, metas)
+    outer, previous = outer_of(plan.method), _outer_state(plan, r)
+    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in trained else i.dtype) for n, i in theta.info.items()}
+    momentum = {n: TensorInfo(theta.info[n].shape, torch.float32) for n in trained} if outer.momentum else {}
+    labels = [f"worker {k} round {r}" for k in workers]
+    meter, workspace, seconds = DriftMeter(len(workers)), Workspace(), {"drift": 0.0, "merge": 0.0, "outer": 0.0}
+    seed, rules = plan.workers[0].config.run.seed, plan.method.effective_rules
+    with staged_dir(global_dir(plan, r + 1)) as tmp, contextlib.ExitStack() as stack:
+        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD))
+        state = stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD)) if momentum else None
+        for name in writer.order:
+            if name not in trained:  # frozen: the same in every worker
+                writer.write(name, theta.get(name))
+                continue
+            method, params = choose(name, rules)
+            inputs = TensorInputs(
+                name,
+                theta.info[name].shape,
+                [delta_reader(d, name) for d in deltas],
+                labels,
+                device=device,
+                block_bytes=block_mb << 20,
+                workspace=workspace,
+            )
+            began = time.perf_counter()
+            for i in inputs.blocks:
+                meter.add(list(inputs.block(i)))
+            inputs.forget()
+            seconds["drift"] += time.perf_counter() - began
+            began = time.perf_counter()
+            g = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
+            seconds["merge"] += time.perf_counter() - began
+            began = time.perf_counter()
+            value = theta.get(name).to(device, torch.float32)
+            buffer = outer.step(value, g, previous.get(name).to(device) if previous else None)
+            seconds["outer"] += time.perf_counter() - began
+            writer.write(name, value.cpu())
+            if state is not None:
+                state.write(name, buffer.cpu())
+        writer.close()
+        hashes = dict(writer.sha256)
+        if state is not None:
+            state.close()
+            hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
+        copy_aux_files(theta.aux_files(), tmp)
+        record = _record(plan, r, workers, metas, weights, meter, deltas, theta, trained)
+        record["seconds"] |= {k: round(v, 4) for k, v in seconds.items()}
+        record["seconds"]["aggregate"] = round(time.perf_counter() - start, 4)
+        write_json_atomic(tmp / "round.json", record)
+        write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant)
+    return record
+
+
+def worker_weights(plan: DilocoPlan, metas: list[dict[str, Any]]) -> torch.Tensor:
+    """The workers' weights in the aggregate: the tokens each trained on this round, or equal."""
+    raw = [m["tokens"] if plan.method.weighting == "tokens" else 1.0 for m in metas]
+    weights = torch.tensor(raw, dtype=torch.float64)
+    return (weights / weights.sum()).float()
+
+
+def outer_of(method: DilocoMethod) -> OuterSGD:
+    return OuterSGD(lr=method.outer_lr, momentum=method.outer_momentum, nesterov=method.nesterov)
+
+
+def _record(
+    plan: DilocoPlan,
+    r: int,
+    workers: list[int],
+    metas: list[dict[str, Any]],
+    weights: torch.Tensor,
+    meter: DriftMeter,
+    deltas: list[CheckpointReader],
+    theta: CheckpointReader,
+    trained: list[str],
+) -> dict[str, Any]:
+    """The round as the report shows it. Bytes: each worker sends its payload and receives the
+    trained tensors of the new global in fp32; data-parallel training of the same tokens would
+    all-reduce fp32 gradients every step (ring: 2 (R − 1) / R of them per worker and step)."""
+    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in trained)
+    sent = sum(sum(i.nbytes for i in d.info.values()) for d in deltas)
+    size = plan.size
+    return {
+        "round": r,
+        "workers": workers,
+        "dropped": [k for k in range(size) if k not in workers],
+        "weights": [round(w, 6) for w in weights.tolist()],
+        "tokens": [m["tokens"] for m in metas],
+        "delta_norms": meter.norms(),
+        "mean_cosine": meter.mean_cosine(),
+        "bytes": {
+            "sent": sent,
+            "received": len(workers) * fp32,
+            "data_parallel": plan.inner_steps * 2 * (size - 1) * fp32,
+        },
+        "seconds": {
+            "inner": max(m["seconds"]["inner"] for m in metas),
+            "worker_io": max(m["seconds"]["load"] + m["seconds"]["save"] for m in metas),
+            "launch": max(m["seconds"].get("launch", 0.0) for m in metas),
+        },
+    }
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _outer_state(plan: DilocoPlan, r: int) -> CheckpointReader | None:
+    """The momentum buffers saved with global r (none at round 0 or without momentum)."""
+    folder = global_dir(plan, r) / OUTER
+    return CheckpointReader(folder) if r > 0 and folder.is_dir() else None
+
+
+def send(source: Path, plan: DilocoPlan, r: int, k: int, save_s: float = 0.0) -> None:
+    """Publish a worker's payload folder (its round's files and manifest) as ``deltas/<r>/<k>``,
+    with the seconds its checkpoint took: hard links where the file system allows (no second
+    copy of the bytes), else a copy."""
+    manifest = read_manifest(source)
+    meta = {k: v for k, v in manifest.items() if k != "files"}
+    meta["seconds"] = {**meta.get("seconds", {}), "save": save_s}
+    with staged_dir(delta_dir(plan, r, k)) as tmp:
+        for name in manifest["files"]:
+            try:
+                os.link(source / name, tmp / name)
+            except OSError:
+                shutil.copy2(source / name, tmp / name)
+        write_manifest(tmp, manifest["files"], **meta)
+
+
+def retire(plan: DilocoPlan, r: int) -> None:
+    """After global r + 1 is written: round r's deltas and global r − 1 are no longer needed (a
+    late worker may still read global r)."""
+    shutil.rmtree(Path(plan.folder) / DELTAS / str(r), ignore_errors=True)
+    if r >= 2:  # global 0 is θ0 itself
+        shutil.rmtree(global_dir(plan, r - 1), ignore_errors=True)

@@ -1,0 +1,49 @@
+"""A worker's weights as DiLoCo sees them, inside a live DeepSpeed engine: the fp32 master copy
+of every trained tensor (what the optimizer steps; bf16 weights would round Δ away), read and
+set by on-disk name, so pseudo-gradients and global checkpoints share the merge rules' names.
+
+ZeRO stages 0–2 (every rank holds whole parameters). Reading a master copy is a collective
+under ZeRO-1/2 (each rank owns a slice): every rank calls these functions in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+from transformers.core_model_loading import revert_weight_conversion
+
+from pipeline.merge.io import CheckpointReader
+
+
+def disk_names(model: Any) -> dict[str, torch.nn.Parameter]:
+    """The trained parameters by the name ``save_pretrained`` writes them under."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    on_disk = revert_weight_conversion(model, dict(params))
+    if {id(p) for p in on_disk.values()} != {id(p) for p in params.values()}:
+        raise ValueError(f"{type(model).__name__}: its checkpoint conversion does more than rename tensors")
+    return on_disk
+
+
+def master(param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master copy of a parameter (the parameter itself when the optimizer steps it)."""
+    full = safe_get_full_fp32_param(param)
+    return (param.detach() if full is None else full).float().cpu()
+
+
+def masters(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in params.items():
+        yield name, master(param)
+
+
+def set_weights(params: dict[str, torch.nn.Parameter], checkpoint: str) -> None:
+    """Set every trained parameter (and its master copy) from a checkpoint; the optimizer's
+    moments are left as they are (DiLoCo: each worker keeps its inner state across rounds)."""
+    reader = CheckpointReader(checkpoint)
+    with torch.no_grad():
+        for name, param in params.items():
+            value = reader.get(name).to(param.device, torch.float32)
+            safe_set_full_fp32_param(param, value)  # no-op when the optimizer steps the parameter itself
+            param.data.copy_(value)

@@ -1,0 +1,184 @@
+"""One DiLoCo worker: ``python -m pipeline.diloco.worker JOB.json`` (one rank, or under torchrun).
+
+The worker lives for the whole run, so a round costs no process start, no engine build and no
+reload of θ0 (at toy scale those take longer than 50 inner steps). Each round:
+
+1. wait for ``global/<r>`` (the newest: a worker left out of rounds joins the latest one);
+2. set its weights (and fp32 master copy) to it, keeping its own AdamW moments, data position
+   and lr schedule, as in DiLoCo;
+3. train H steps;
+4. compute Δ = θ_global − θ_worker from the fp32 masters, compress it (with error feedback if
+   asked), save its inner state with the payload in one checkpoint, then publish the payload as
+   ``deltas/<r>/<k>``.
+
+A worker killed at any point restarts from its last checkpoint: a payload saved but not
+published is published; a round not saved is trained again from the same global, with the same
+batches, to the same result.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import torch
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file, save_file
+
+from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
+from pipeline.diloco.compress import SCALE_SUFFIX, compress_with_feedback
+from pipeline.diloco.plan import DilocoPlan
+from pipeline.diloco.rounds import delta_dir, global_dir, rounds_done, send
+from pipeline.diloco.weights import disk_names, masters, set_weights
+from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo
+from pipeline.train.curves import plot_loss
+from pipeline.train.lifetime import die_with_parent
+from pipeline.train.spec import BranchSpec
+from pipeline.train.worker import Branch
+
+POLL_S = 0.02  # how often a waiting worker looks for the next global weights
+PAYLOAD, RESIDUAL = "delta", "residual.safetensors"
+MAX_SHARD = 5 << 30
+PAYLOAD_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+class WorkerJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    plan: DilocoPlan
+    index: int
+
+    @property
+    def spec(self) -> BranchSpec:
+        return self.plan.workers[self.index]
+
+    def save(self, path: Path) -> Path:
+        write_json_atomic(path, self.model_dump(mode="json"))
+        return path
+
+
+def wait_for_global(plan: DilocoPlan, r: int, timeout_s: float) -> int:
+    """The newest round ≥ r whose global weights exist, once one does."""
+    deadline = time.monotonic() + timeout_s
+    while (done := rounds_done(plan)) < r:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"DiLoCo {plan.variant}: no global weights of round {r} after {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+    return done
+
+
+def payload_plan(params: dict[str, torch.nn.Parameter], compression: str) -> dict[str, TensorInfo]:
+    out = {}
+    for name, p in params.items():
+        out[name] = TensorInfo(tuple(p.shape), PAYLOAD_DTYPES[compression])
+        if compression == "int8":
+            out[name + SCALE_SUFFIX] = TensorInfo((p.shape[0] if p.dim() >= 2 else 1,), torch.float32)
+    return out
+
+
+def write_payload(
+    job: WorkerJob,
+    r: int,
+    params: dict[str, torch.nn.Parameter],
+    residual: dict | None,
+    folder: Path,
+    rank: int,
+    **meta,
+) -> dict | None:
+    """Δ of round r from the fp32 masters, compressed, into ``folder/delta`` (rank 0; the other
+    ranks take part in gathering the masters); returns the new error-feedback residual."""
+    if rank != 0:
+        for _ in masters(params):
+            pass
+        return None
+    plan = job.plan
+    theta, kept = CheckpointReader(global_dir(plan, r)), ({} if residual is not None else None)
+    with staged_dir(folder) as tmp:
+        out = tmp / PAYLOAD
+        out.mkdir()
+        with ShardedWriter(out, payload_plan(params, plan.compression), MAX_SHARD) as writer:
+            for name, weights in masters(params):
+                delta = theta.get(name).float().sub_(weights)
+                previous = None if kept is None else residual.get(name, torch.zeros_like(delta))
+                payload, kept_residual = compress_with_feedback(name, delta, plan.compression, previous)
+                if kept is not None:
+                    kept[name] = kept_residual
+                for key, tensor in payload.items():
+                    writer.write(key, tensor)
+            writer.close()
+        write_manifest(out, writer.sha256, kind="diloco_delta", round=r, worker=job.index, **meta)
+        if kept is not None:
+            save_file(kept, tmp / RESIDUAL)
+    return kept
+
+
+def publish(job: WorkerJob, saved: Path | None, r: int, save_s: float = 0.0) -> None:
+    """Publish the payload saved in checkpoint ``saved`` as round r's, unless it already is or the
+    round is over (the aggregator went on without this worker)."""
+    source = saved / "diloco" / PAYLOAD if saved is not None else None
+    if source is None or not source.is_dir() or rounds_done(job.plan) > r:
+        return
+    if not is_complete(delta_dir(job.plan, r, job.index)):
+        send(source, job.plan, r, job.index, save_s=save_s)
+
+
+def main(job_path: str) -> None:
+    die_with_parent()
+    job = WorkerJob.model_validate_json(Path(job_path).read_text())
+    plan = job.plan
+    branch = Branch.start(job.spec)
+    launch_s = time.time() - psutil.Process().create_time()  # process start, imports, engine, resume
+    params, rank = disk_names(branch.engine.model), branch.rank.rank
+    saved = branch.checkpointer.latest()
+    residual = _residual(saved) if plan.error_feedback else None
+    if rank == 0:
+        publish(job, saved, branch.state.rounds - 1)  # saved before a kill, maybe not yet published
+    while branch.state.rounds < plan.rounds:
+        clock = Clock()
+        r = wait_for_global(plan, branch.state.rounds, branch.spec.train.timeout_s)
+        waited = clock.lap()
+        if r > 0:
+            set_weights(params, str(global_dir(plan, r)))
+        loaded, before = clock.lap(), branch.state
+        for _ in range(plan.inner_steps):
+            branch.step()
+        seconds = {"wait": waited, "load": loaded, "inner": clock.lap(), "launch": launch_s}
+        meta = {
+            "tokens": branch.state.tokens_seen - before.tokens_seen,
+            "examples": branch.state.examples_seen - before.examples_seen,
+            "steps": [before.step, branch.state.step],
+            "seconds": {k: round(v, 4) for k, v in seconds.items()},
+        }
+        pending = branch.checkpointer.folder / f".round{r}"
+        residual = write_payload(job, r, params, residual, pending, rank, **meta)
+        branch.state = replace(branch.state, rounds=r + 1)
+        branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: pending.rename(tag / "diloco"))
+        if rank == 0:
+            publish(job, branch.checkpointer.latest(), r, save_s=round(clock.lap(), 4))
+        launch_s = 0.0
+    if rank == 0:
+        out = Path(branch.spec.out_dir)
+        plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"DiLoCo worker {branch.spec.name}")
+
+
+class Clock:
+    """Seconds since the last lap."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+
+def _residual(saved: Path | None) -> dict[str, torch.Tensor]:
+    path = saved / "diloco" / RESIDUAL if saved is not None else None
+    return load_file(path) if path is not None and path.is_file() else {}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

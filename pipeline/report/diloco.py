@@ -1,0 +1,111 @@
+"""The report's DiLoCo section: per variant (``diloco/<method>-<shards>/``) its rounds' records,
+a summary row against the joint baseline and the best one-shot merge, and the plots of held-out
+loss against rounds and against bytes sent, drift and where a round's time goes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.layout import DILOCO, DILOCO_PLAN
+from pipeline.report.plots import plot_diloco
+
+
+def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
+    """Every variant with at least one round: its plan's settings and its rounds' records."""
+    runs = []
+    for path in sorted((run_dir / DILOCO).glob(f"*/{DILOCO_PLAN}")):
+        rounds = path.parent / "rounds.json"
+        if not rounds.is_file():
+            continue
+        plan = json.loads(path.read_text())
+        method = plan["method"]
+        runs.append(
+            {
+                "variant": plan["variant"],
+                "method": method.get("method") or "rules",
+                "outer": f"η {method['outer_lr']}, μ {method['outer_momentum']}"
+                + (" Nesterov" if method["nesterov"] else ""),
+                "workers": len(plan["workers"]),
+                "inner_steps": plan["inner_steps"],
+                "rounds": plan["rounds"],
+                "compression": plan["compression"],
+                "records": json.loads(rounds.read_text()),
+            }
+        )
+    return runs
+
+
+def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One variant in figures. Overhead: the share of a round's wall time that is not the slowest
+    worker's inner steps, over the rounds after the first (which starts the workers: launch).
+    Aggregation: the aggregator's whole time (IO, drift, merge, outer step); the merge: the
+    aggregating method's own (e.g. Iso-C's)."""
+    records = run["records"]
+    seconds = [r["seconds"] for r in records[1:] or records]
+    wall = sum(s["wall"] for s in seconds)
+    sent = sum(r["bytes"]["sent"] for r in records)
+    data_parallel = sum(r["bytes"]["data_parallel"] for r in records)
+    final = models.get(run["variant"], {}).get("loss")
+    merges = [m["loss"] for m in models.values() if m["kind"] == "merged"]
+    joint = models.get("joint", {}).get("loss")
+    return {
+        "variant": run["variant"],
+        "method": run["method"],
+        "outer": run["outer"],
+        "R": run["workers"],
+        "H": run["inner_steps"],
+        "rounds": f"{len(records)}/{run['rounds']}",
+        "heldout_loss": final,
+        "vs_joint": None if final is None or joint is None else final - joint,
+        "vs_best_merge": None if final is None or not merges else final - min(merges),
+        "bytes_sent": sent,
+        "bytes_vs_data_parallel": sent / data_parallel if data_parallel else None,
+        "overhead_pct": 100 * (1 - sum(s["inner"] for s in seconds) / wall) if wall > 0 else None,
+        "aggregation_pct": 100 * sum(s["aggregate"] for s in seconds) / wall if wall > 0 else None,
+        "merge_pct": 100 * sum(s["merge"] for s in seconds) / wall if wall > 0 else None,
+        "launch_s": max((r["seconds"].get("launch", 0.0) for r in records), default=0.0),
+        "left_out": {r["round"]: r["dropped"] for r in records if r["dropped"]},
+    }
+
+
+COLUMNS = {
+    "variant": "variant",
+    "method": "aggregator",
+    "outer": "outer step",
+    "R": "R",
+    "H": "H",
+    "rounds": "rounds",
+    "heldout_loss": "held-out loss",
+    "vs_joint": "Δ vs joint",
+    "vs_best_merge": "Δ vs best merge",
+    "bytes_sent": "bytes sent",
+    "bytes_vs_data_parallel": "sent / data-parallel",
+    "overhead_pct": "overhead %",
+    "aggregation_pct": "aggregation %",
+    "merge_pct": "of which the merge %",
+    "launch_s": "launch s",
+}
+
+
+def diloco_section(run_dir: Path, out: Path, models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The section's rows, table, notes and plot (empty when the run has no DiLoCo rounds)."""
+    runs = diloco_runs(run_dir)
+    if not runs:
+        (out / "diloco.png").unlink(missing_ok=True)
+        return {}
+    by_name = {m["name"]: m for m in models}
+    rows = [summary_row(run, by_name) for run in runs]
+    notes = [
+        f"{row['variant']}, round {r}: workers {workers} left out (failed after their retries)"
+        for row in rows
+        for r, workers in row["left_out"].items()
+    ]
+    plot_diloco({run["variant"]: run["records"] for run in runs}, out / "diloco.png")
+    return {
+        "rows": rows,
+        "table": {"headers": list(COLUMNS.values()), "rows": [[row[k] for k in COLUMNS] for row in rows]},
+        "notes": notes,
+        "plot": "diloco.png",
+    }

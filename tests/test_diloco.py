@@ -1,0 +1,212 @@
+"""DiLoCo: the outer step, compression and aggregation against reference formulas, and the flow
+with real DeepSpeed workers: one worker with plain averaging is plain training, a killed flow
+resumes to the same weights, a worker that fails for good is left out and recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import prefect.settings
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flows.diloco import diloco
+from pipeline.config import load_config
+from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
+from pipeline.diloco.plan import plan_of, shards
+from pipeline.diloco.rounds import delta_reader
+from pipeline.merge import CheckpointReader, Rule
+from pipeline.merge.linalg import iso
+from pipeline.report.diloco import summary_row
+from pipeline.train import train_branch
+
+ROOT = Path(__file__).parent.parent
+DEMO = str(ROOT / "configs/demo.yaml")
+AVERAGE = "diloco.methods=[{name: avg, method: weighted_average, outer_lr: 1.0, outer_momentum: 0.0}]"
+OVERRIDES = [
+    "data.builtin.examples_per_source=12",
+    "warmup.steps=0",
+    "train.micro_batch=4",
+    f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "flow.joint_baseline=false",
+    "flow.retry_delay_s=0",
+    "diloco.inner_steps=2",
+    "diloco.rounds=3",
+    "diloco.eval_every=0",
+    "eval.max_examples_per_source=2",
+]
+
+
+def test_the_outer_step_is_nesterov_sgd():
+    theta, g1, g2 = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 1.0]), torch.tensor([-1.0, 0.25])
+    outer = OuterSGD(lr=0.7, momentum=0.9)
+    b = outer.step(theta, g1, None)  # b = g1; u = g1 + 0.9 g1
+    assert torch.allclose(theta, torch.tensor([1.0, -2.0]) - 0.7 * 1.9 * g1)
+    expected = theta - 0.7 * (g2 + 0.9 * (0.9 * g1 + g2))  # b = 0.9 g1 + g2; u = g2 + 0.9 b
+    b = outer.step(theta, g2, b)
+    assert torch.allclose(theta, expected) and torch.allclose(b, 0.9 * g1 + g2)
+    plain = torch.tensor([1.0, 1.0])
+    assert OuterSGD(lr=1.0, momentum=0.0).step(plain, g1, None) is None and torch.equal(plain, 1 - g1)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (13,), (3, 4, 2), ()])
+def test_int8_round_trips_within_half_a_step_per_row_and_counts_its_bytes(shape):
+    x = torch.randn(shape) * torch.logspace(-3, 1, shape[0] if shape else 1).reshape(-1, *[1] * (len(shape) - 1))
+    payload = compress("w", x, "int8")
+    rows = x.reshape(shape[0], -1) if len(shape) >= 2 else x.reshape(1, -1)
+    bound = rows.abs().amax(1, keepdim=True) / 254
+    error = (decompress(payload, "w").reshape(rows.shape) - rows).abs()
+    assert (error <= bound * (1 + 1e-5) + 1e-12).all()
+    assert payload_bytes(payload) == x.numel() + 4 * rows.shape[0]
+    assert payload_bytes(compress("w", x, "bf16")) == 2 * x.numel()
+    assert payload_bytes(compress("w", x, "none")) == 4 * x.numel()
+
+
+def test_error_feedback_sends_what_compression_dropped_later():
+    deltas = [torch.randn(8, 16) for _ in range(5)]
+    residual, sent = torch.zeros(8, 16), torch.zeros(8, 16)
+    for delta in deltas:
+        payload, residual = compress_with_feedback("w", delta, "int8", residual)
+        sent += decompress(payload, "w")
+    assert torch.allclose(sent + residual, sum(deltas), atol=1e-5)  # nothing is lost, only delayed
+
+
+def test_isoloco_aggregate_is_iso_c_of_the_mean_pseudo_gradient():
+    theta = {"w": torch.randn(6, 4), "b": torch.randn(4)}
+    workers = [{n: t + 0.1 * torch.randn_like(t) for n, t in theta.items()} for _ in range(3)]
+    before = {n: t.clone() for n, t in theta.items()}
+    stats = aggregate(theta, workers, [1, 1, 1], [Rule(pattern="*", method="iso_c")], OuterSGD(lr=1, momentum=0), {})
+    mean = {n: sum(before[n] - w[n] for w in workers) / 3 for n in theta}
+    assert torch.allclose(theta["w"], before["w"] - iso(mean["w"]), atol=1e-6)
+    assert torch.allclose(theta["b"], before["b"] - mean["b"], atol=1e-6)  # vectors: the mean
+    assert stats.bytes_sent == 3 * 4 * (24 + 4) and len(stats.norms) == 3
+
+
+def test_an_int8_payload_on_disk_reads_back_row_block_by_row_block(tmp_path):
+    tensors = {"m": torch.randn(10, 3), "v": torch.randn(7)}
+    save_file({k: v for n, t in tensors.items() for k, v in compress(n, t, "int8").items()}, tmp_path / "d.safetensors")
+    reader = CheckpointReader(tmp_path / "d.safetensors")
+    for name, t in tensors.items():
+        read = delta_reader(reader, name)
+        expected = decompress(compress(name, t, "int8"), name)
+        assert torch.equal(torch.cat([read(0, 4), read(4, len(t))]), expected)
+
+
+def run_flow(run_dir: Path, *extra: str):
+    return diloco(config=DEMO, overrides=[*OVERRIDES, *extra], run_dir=str(run_dir), return_state=True)
+
+
+def global_weights(run_dir: Path, variant: str, r: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "diloco" / variant / "global" / str(r) / "model.safetensors")
+
+
+NESTEROV_INT8 = ["diloco.compression=int8", "diloco.error_feedback=true", "diloco.methods.0.outer_momentum=0.9"]
+
+
+def kill_when(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "the flow ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_killed_flow_resumes_to_the_same_global_weights(prefect_api, tmp_path):
+    """Nesterov momentum and int8 compression with error feedback: the outer state and every
+    worker's inner state (AdamW moments, data position, residual) must survive the kill."""
+    settings = [*OVERRIDES, AVERAGE, *NESTEROV_INT8]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run_flow(whole, AVERAGE, *NESTEROV_INT8).is_completed()
+    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
+    cli = [sys.executable, "-m", "pipeline.cli", "run", DEMO, "--run-dir", str(killed), "--flow", "diloco"]
+    proc = subprocess.Popen(
+        [*cli, *[a for s in settings for a in ("--set", s)]],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kill_when(killed / "diloco" / "avg-iid" / "global" / "1" / "manifest.json", proc)
+    assert not (killed / "diloco" / "avg-iid" / "global" / "3").exists()
+    assert run_flow(killed, AVERAGE, *NESTEROV_INT8).is_completed()
+    expected = global_weights(whole, "avg-iid", 3)
+    for name, tensor in global_weights(killed, "avg-iid", 3).items():
+        assert torch.allclose(tensor, expected[name], atol=1e-6), name
+    momentum = load_file(killed / "diloco" / "avg-iid" / "global" / "3" / "outer" / "model.safetensors")
+    assert momentum.keys() == {n for n in expected if n in momentum} and momentum
+
+
+def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_averaging_is_plain_training(
+    prefect_api, tmp_path
+):
+    """Worker 0 has two ranks (ZeRO-2 over gloo): its fp32 masters are gathered collectively."""
+    run_dir = tmp_path / "run"
+    # Worker 1's checkpoint pointer names a checkpoint that does not exist: every launch fails.
+    latest = run_dir / "diloco" / "avg-iid" / "workers" / "1" / "checkpoints" / "latest.json"
+    latest.parent.mkdir(parents=True)
+    latest.write_text(json.dumps({"tag": "step99", "step": 99}))
+    state = run_flow(run_dir, AVERAGE, "flow.branch_retries=0", "train.processes=2", "train.micro_batch=2")
+    assert state.is_completed(), state.message
+    records = json.loads((run_dir / "diloco" / "avg-iid" / "rounds.json").read_text())
+    assert [(r["workers"], r["dropped"]) for r in records] == [([0], [1])] * 3
+    assert all("avg-iid/1: training exit code 1" in r["failures"]["1"] for r in records)
+    assert records[-1]["heldout_loss"] > 0 and "left out" in (run_dir / "report" / "report.md").read_text()
+
+    # So every round aggregated worker 0 alone: R = 1, η = 1, μ = 0, which is plain training of
+    # its shard for T·H steps with the same batches and lr schedule.
+    worker = plan_of(load_config(run_dir / "config.yaml"), run_dir, "avg-iid").workers[0]
+    plain = worker.model_copy(update={"name": "plain", "out_dir": str(tmp_path / "plain")})
+    final = load_file(Path(train_branch(plain, echo=False).final) / "model.safetensors")
+    merged = global_weights(run_dir, "avg-iid", 3)
+    # θ − (θ − θ_k) is θ_k up to rounding; Adam turns that rounding into lr-sized steps only where
+    # a gradient is pure rounding noise (the key biases, to which softmax is blind): 3e-6 there.
+    for name, tensor in final.items():
+        assert torch.allclose(merged[name], tensor, atol=1e-7 if "k_proj.bias" not in name else 1e-5), name
+
+
+def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers():
+    def record(r, wall, inner, dropped=()):
+        seconds = {"wall": wall, "inner": inner, "aggregate": 0.5, "merge": 0.1, "launch": 9.0 if r == 0 else 0.0}
+        return {"round": r, "dropped": list(dropped), "bytes": {"sent": 100, "data_parallel": 1000}, "seconds": seconds}
+
+    run = {"variant": "isoloco-iid", "method": "iso_c", "outer": "", "workers": 2, "inner_steps": 5, "rounds": 3}
+    run["records"] = [record(0, 20.0, 4.0), record(1, 5.0, 4.0, dropped=[1]), record(2, 5.0, 4.5)]
+    models = {"isoloco-iid": {"loss": 1.2, "kind": "diloco"}, "joint": {"loss": 1.0, "kind": "joint"}}
+    models["merged-a"] = {"loss": 1.5, "kind": "merged"}
+    row = summary_row(run, models)
+    assert row["overhead_pct"] == pytest.approx(100 * (1 - 8.5 / 10.0))  # rounds after the first
+    assert row["aggregation_pct"] == pytest.approx(10.0) and row["merge_pct"] == pytest.approx(2.0)
+    assert row["launch_s"] == 9.0
+    assert row["bytes_sent"] == 300 and row["bytes_vs_data_parallel"] == pytest.approx(0.1)
+    assert row["vs_joint"] == pytest.approx(0.2) and row["vs_best_merge"] == pytest.approx(-0.3)
+    assert row["left_out"] == {1: [1]} and row["rounds"] == "3/3"
+
+
+def test_shards_are_iid_slices_the_split_groups_random_groups_or_given_ones(tmp_path):
+    sources = {f"s{i}": {"train_examples": 10, "train_tokens": 100 * (i + 1)} for i in range(4)}
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"sources": sources}))
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "split.json").write_text(json.dumps({"groups": [["s0", "s3"], ["s1", "s2"]]}))
+
+    def of(*settings):
+        return shards(load_config(DEMO, list(settings)), tmp_path)
+
+    assert of("diloco.shards=iid", "diloco.workers=3") == [(list(sources), (k, 3)) for k in range(3)]
+    assert of("diloco.shards=merit") == [(["s0", "s3"], None), (["s1", "s2"], None)]
+    assert of("diloco.shards=given", "diloco.groups=[[s0], [s1, s2, s3]]") == [
+        (["s0"], None),
+        (["s1", "s2", "s3"], None),
+    ]
+    random = of("diloco.shards=random", "diloco.workers=2")
+    assert sorted(s for group, _ in random for s in group) == list(sources) and len(random) == 2
+    assert random == of("diloco.shards=random", "diloco.workers=2")  # seeded
