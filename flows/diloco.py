@@ -29,18 +29,19 @@ from pipeline.checkpoint import MANIFEST
 from pipeline.config import DilocoMethod, RunConfig
 from pipeline.diloco.plan import DilocoPlan, diloco_plan, worker_name
 from pipeline.diloco.rounds import (
+    POLL_S,
+    abort,
     aggregate_round,
     delta_dir,
     global_dir,
     records,
+    recover,
     retire,
     rounds_done,
     save_record,
 )
 from pipeline.eval import score_heldout
 from pipeline.layout import start_run
-
-POLL_S = 0.02  # how often the aggregator looks for the workers' payloads
 
 
 def worker_slots(cfg: RunConfig, workers: int) -> list[list[int] | None]:
@@ -149,31 +150,49 @@ def run_rounds(cfg: RunConfig, run_dir: str, method: DilocoMethod) -> None:
     log.info(f"DiLoCo {plan.variant}: {plan.size} workers, {plan.rounds} rounds of {plan.inner_steps} steps")
     key = artifact_key(cfg.run.name, plan.variant, "rounds")
     progress = create_progress_artifact(100.0 * done / plan.rounds, key=key, description=plan.variant)
-    evaluator, workers, began = Evaluator(cfg, run_dir, plan), Workers(cfg, run_dir, plan), time.perf_counter()
-    with _cpu_shared_with_workers(cfg):
-        for r in range(done, plan.rounds):
-            sent = workers.wait_round(r)
-            dropped = {k: workers.failures[k] for k in workers.failures if k not in sent}
-            if len(sent) < cfg.diloco.min_workers:
-                raise RuntimeError(
-                    f"DiLoCo {plan.variant} round {r}: {len(sent)} of {plan.size} workers sent their "
-                    f"pseudo-gradients, fewer than diloco.min_workers = {cfg.diloco.min_workers}; failed: {dropped}"
-                )
-            record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb)
-            record["failures"] = {str(k): why for k, why in dropped.items()}
-            record["seconds"]["wall"], began = round(time.perf_counter() - began, 4), time.perf_counter()
-            evaluator.save(record)
-            if dropped:
-                log.warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")
-            evaluator.wait(r - 2)  # its global, r - 1, is about to go
-            retire(plan, r)
-            evaluator.submit(r)
-            for k in dropped:  # back for the next round, from their last checkpoint
-                workers.start(k)
-            update_progress_artifact(progress, 100.0 * (r + 1) / plan.rounds)
-            log.info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
+    evaluator = Evaluator(cfg, run_dir, plan)
+    if done:  # a flow killed between writing global `done` and recording it: finish that round's bookkeeping
+        recover(plan, done - 1)
+    abort(plan, None)
+    workers = Workers(cfg, run_dir, plan)
+    try:
+        with _cpu_shared_with_workers(cfg):
+            began = time.perf_counter()
+            for r in range(done, plan.rounds):
+                began = aggregate(cfg, plan, workers, evaluator, r, began)
+                update_progress_artifact(progress, 100.0 * (r + 1) / plan.rounds)
+    except BaseException as err:
+        # The workers wait for the next global weights: tell them none will come, or they would
+        # hold their machines until train.timeout_s.
+        abort(plan, f"{type(err).__name__}: {err}")
+        raise
     workers.finish()
     evaluator.finish()
+
+
+def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Evaluator, r: int, began: float) -> float:
+    """Round r once its payloads are in: aggregate, outer step, record; returns when it ended."""
+    sent = workers.wait_round(r)
+    dropped = {k: workers.failures[k] for k in workers.failures if k not in sent}
+    if len(sent) < cfg.diloco.min_workers:
+        raise RuntimeError(
+            f"DiLoCo {plan.variant} round {r}: {len(sent)} of {plan.size} workers sent their pseudo-gradients, "
+            f"fewer than diloco.min_workers = {cfg.diloco.min_workers}; failed: {dropped}"
+        )
+    record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb)
+    record["failures"] = {str(k): why for k, why in dropped.items()}
+    ended = time.perf_counter()
+    record["seconds"]["wall"] = round(ended - began, 4)
+    evaluator.save(record)
+    if dropped:
+        get_run_logger().warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")
+    evaluator.wait(r - 2)  # its global, r - 1, is about to go
+    retire(plan, r)
+    evaluator.submit(r)
+    for k in dropped:  # back for the next round, from their last checkpoint
+        workers.start(k)
+    get_run_logger().info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
+    return ended
 
 
 @contextlib.contextmanager

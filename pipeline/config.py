@@ -234,6 +234,12 @@ class DilocoMethod(MergeEntry):
     outer_momentum: float = Field(0.9, ge=0, lt=1)  # μ
     nesterov: bool = True
 
+    @model_validator(mode="after")
+    def _no_fisher(self) -> DilocoMethod:
+        if any(get_method(rule.method).needs_fisher for rule in self.effective_rules):
+            raise ValueError(f"diloco method '{self.name}': the fisher merge needs Fisher estimates, which rounds lack")
+        return self
+
 
 class DilocoSection(Section):
     """Multi-round training (DiLoCo, IsoLoCo): R workers train ``inner_steps`` (H) steps from the

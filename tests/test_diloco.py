@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import prefect.settings
 import pytest
@@ -21,7 +22,8 @@ from flows.diloco import diloco
 from pipeline.config import load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.plan import plan_of, shards
-from pipeline.diloco.rounds import delta_reader
+from pipeline.diloco.rounds import abort, delta_reader
+from pipeline.diloco.worker import _keep, wait_for_global
 from pipeline.merge import CheckpointReader, Rule
 from pipeline.merge.linalg import iso
 from pipeline.report.diloco import summary_row
@@ -176,7 +178,12 @@ def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_aver
 def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers():
     def record(r, wall, inner, dropped=()):
         seconds = {"wall": wall, "inner": inner, "aggregate": 0.5, "merge": 0.1, "launch": 9.0 if r == 0 else 0.0}
-        return {"round": r, "dropped": list(dropped), "bytes": {"sent": 100, "data_parallel": 1000}, "seconds": seconds}
+        return {
+            "round": r,
+            "dropped": list(dropped),
+            "bytes": {"sent": 100, "received": 300, "data_parallel": 1000},
+            "seconds": seconds,
+        }
 
     run = {"variant": "isoloco-iid", "method": "iso_c", "outer": "", "workers": 2, "inner_steps": 5, "rounds": 3}
     run["records"] = [record(0, 20.0, 4.0), record(1, 5.0, 4.0, dropped=[1]), record(2, 5.0, 4.5)]
@@ -186,7 +193,7 @@ def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers(
     assert row["overhead_pct"] == pytest.approx(100 * (1 - 8.5 / 10.0))  # rounds after the first
     assert row["aggregation_pct"] == pytest.approx(10.0) and row["merge_pct"] == pytest.approx(2.0)
     assert row["launch_s"] == 9.0
-    assert row["bytes_sent"] == 300 and row["bytes_vs_data_parallel"] == pytest.approx(0.1)
+    assert row["bytes_sent"] == 300 and row["bytes_vs_data_parallel"] == pytest.approx(1200 / 6000)
     assert row["vs_joint"] == pytest.approx(0.2) and row["vs_best_merge"] == pytest.approx(-0.3)
     assert row["left_out"] == {1: [1]} and row["rounds"] == "3/3"
 
@@ -210,3 +217,22 @@ def test_shards_are_iid_slices_the_split_groups_random_groups_or_given_ones(tmp_
     random = of("diloco.shards=random", "diloco.workers=2")
     assert sorted(s for group, _ in random for s in group) == list(sources) and len(random) == 2
     assert random == of("diloco.shards=random", "diloco.workers=2")  # seeded
+
+
+def test_waiting_workers_stop_on_the_aggregators_abort_note_and_a_round_saved_twice_replaces_its_payload(tmp_path):
+    plan = SimpleNamespace(folder=str(tmp_path), variant="v")
+    abort(plan, "RuntimeError: round 3: 0 of 2 workers sent their pseudo-gradients")
+    with pytest.raises(RuntimeError, match="the aggregator stopped the run: RuntimeError: round 3"):
+        wait_for_global(plan, 1, timeout_s=60)
+    abort(plan, None)
+    with pytest.raises(TimeoutError, match="no global weights of round 1"):
+        wait_for_global(plan, 1, timeout_s=0)
+    # A kill after the payload moved into its checkpoint, before the checkpoint became the latest:
+    # the round is trained again into the same tag.
+    tag, pending = tmp_path / "step4", tmp_path / ".round1"
+    tag.mkdir()  # DeepSpeed has written the engine state
+    for payload in ("old", "new"):
+        (pending / "delta").mkdir(parents=True)
+        (pending / "delta" / "x").write_text(payload)
+        _keep(pending, tag / "diloco")
+    assert (tag / "diloco" / "delta" / "x").read_text() == "new" and not pending.exists()

@@ -113,6 +113,7 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
         (["diloco.shards=given"], "diloco.groups is required"),
         (["diloco.min_workers=3"], "exceeds the 2 workers"),
         (["diloco.methods=[{name: a, method: iso_c, outer_momentum: 1.0}]"], "outer_momentum"),
+        (["diloco.methods=[{name: a, method: fisher}]"], "the fisher merge needs Fisher estimates"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(ROOT / "configs/demo.yaml", bad)

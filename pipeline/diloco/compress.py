@@ -1,7 +1,7 @@
 """Pseudo-gradient compression before aggregation, and the bytes that cross the network.
 
 - ``none``: fp32, 4 bytes an entry.
-- ``bf16``: 2 bytes an entry; relative error ≤ 2⁻⁹ per entry.
+- ``bf16``: 2 bytes an entry; relative error ≤ 2⁻⁸ per entry.
 - ``int8``: one signed byte an entry and one fp32 scale per row (s = max|row| / 127, q =
   round(x / s)): |x − s·q| ≤ s / 2 = max|row| / 254. Rows are the first dimension of a
   matrix; a vector (norms, biases) is one row, so its cost is not doubled by scales.
@@ -53,8 +53,8 @@ def payload_bytes(payload: dict[str, torch.Tensor]) -> int:
 def compress_with_feedback(
     name: str, delta: torch.Tensor, kind: Compression, residual: torch.Tensor | None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """Compress Δ (+ the residual of earlier rounds, if error feedback is on); returns the
-    payload and the new residual (None without error feedback, or with nothing dropped)."""
+    """Compress Δ (+ the residual of earlier rounds: pass zeros to start error feedback); returns
+    the payload and the new residual (None without error feedback)."""
     if residual is None:
         return compress(name, delta, kind), None
     corrected = delta.float() + residual

@@ -2,7 +2,8 @@
 (its folder ``diloco/<variant>/``) of R workers, each a branch spec over its shard, and the
 number of rounds T.
 
-Shards: ``iid`` (worker k takes every R-th example of every source from the k-th on), ``merit``
+Shards: ``iid`` (worker k takes every R-th example of the sources' examples in order, from the
+k-th on: each source is spread evenly over the workers), ``merit``
 (the calibration's conflict-aware groups: R = K), ``random`` (sources in R random groups of
 balanced tokens, the split's Random-K control: R = 2^r), ``given`` (``diloco.groups``).
 Budget: every worker trains T·H inner steps, its lr schedule spans them; by default T is the

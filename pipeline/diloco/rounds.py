@@ -43,12 +43,13 @@ from pipeline.diloco.outer import OuterSGD
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.merge.driver import merge_tensor
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace
-from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo, copy_aux_files
+from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
 
-GLOBAL, DELTAS, OUTER, RECORDS = "global", "deltas", "outer", "rounds.json"
+GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
 MAX_SHARD = 5 << 30
+POLL_S = 0.02  # how often the aggregator looks for payloads and a worker for the next global weights
 
 
 def global_dir(plan: DilocoPlan, r: int) -> Path:
@@ -64,6 +65,21 @@ def rounds_done(plan: DilocoPlan) -> int:
     folder = Path(plan.folder) / GLOBAL
     done = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
     return max((r for r in done if (folder / str(r) / "manifest.json").is_file()), default=0)
+
+
+def abort(plan: DilocoPlan, why: str | None) -> None:
+    """Tell the workers waiting for the next round that none will come (``why``), or, with None,
+    clear an earlier note before the run starts again."""
+    path = Path(plan.folder) / ABORT
+    if why is None:
+        path.unlink(missing_ok=True)
+    else:
+        write_json_atomic(path, {"why": why})
+
+
+def aborted(plan: DilocoPlan) -> str | None:
+    path = Path(plan.folder) / ABORT
+    return json.loads(path.read_text())["why"] if path.is_file() else None
 
 
 def records(plan: DilocoPlan) -> list[dict[str, Any]]:
@@ -99,61 +115,83 @@ def aggregate_round(
     """Merge the pseudo-gradients the given workers sent for round r, take the outer step and
     write ``global/<r+1>`` (weights, outer state, record); returns the round's record."""
     start = time.perf_counter()
-    theta = CheckpointReader(global_dir(plan, r))
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
-    deltas = [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
-    trained = [n for n in deltas[0].info if not n.endswith(SCALE_SUFFIX)]
-    weights = worker_weights(plan, metas)
-    outer, previous = outer_of(plan.method), _outer_state(plan, r)
-    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in trained else i.dtype) for n, i in theta.info.items()}
-    momentum = {n: TensorInfo(theta.info[n].shape, torch.float32) for n in trained} if outer.momentum else {}
-    labels = [f"worker {k} round {r}" for k in workers]
-    meter, workspace, seconds = DriftMeter(len(workers)), Workspace(), {"drift": 0.0, "merge": 0.0, "outer": 0.0}
-    seed, rules = plan.workers[0].config.run.seed, plan.method.effective_rules
+    step = _RoundStep(plan, r, workers, device, block_mb, worker_weights(plan, metas))
+    theta = step.theta
+    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in step.trained else i.dtype) for n, i in theta.info.items()}
+    momentum = {n: TensorInfo(theta.info[n].shape, torch.float32) for n in step.trained} if step.outer.momentum else {}
     with staged_dir(global_dir(plan, r + 1)) as tmp, contextlib.ExitStack() as stack:
         writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD))
         state = stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD)) if momentum else None
         for name in writer.order:
-            if name not in trained:  # frozen: the same in every worker
+            if name not in step.trained:  # frozen: the same in every worker
                 writer.write(name, theta.get(name))
                 continue
-            method, params = choose(name, rules)
-            inputs = TensorInputs(
-                name,
-                theta.info[name].shape,
-                [delta_reader(d, name) for d in deltas],
-                labels,
-                device=device,
-                block_bytes=block_mb << 20,
-                workspace=workspace,
-            )
-            began = time.perf_counter()
-            for i in inputs.blocks:
-                meter.add(list(inputs.block(i)))
-            inputs.forget()
-            seconds["drift"] += time.perf_counter() - began
-            began = time.perf_counter()
-            g = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
-            seconds["merge"] += time.perf_counter() - began
-            began = time.perf_counter()
-            value = theta.get(name).to(device, torch.float32)
-            buffer = outer.step(value, g, previous.get(name).to(device) if previous else None)
-            seconds["outer"] += time.perf_counter() - began
-            writer.write(name, value.cpu())
+            value, buffer = step(name)
+            writer.write(name, value)
             if state is not None:
-                state.write(name, buffer.cpu())
+                state.write(name, buffer)
         writer.close()
         hashes = dict(writer.sha256)
         if state is not None:
             state.close()
             hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
         copy_aux_files(theta.aux_files(), tmp)
-        record = _record(plan, r, workers, metas, weights, meter, deltas, theta, trained)
-        record["seconds"] |= {k: round(v, 4) for k, v in seconds.items()}
+        record = _record(plan, r, workers, metas, step)
         record["seconds"]["aggregate"] = round(time.perf_counter() - start, 4)
         write_json_atomic(tmp / "round.json", record)
         write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant)
     return record
+
+
+class _RoundStep:
+    """One trained tensor of a round: the workers' Δ merged by the method's rule, their drift
+    measured, the outer step taken; the seconds of each part summed over the tensors."""
+
+    def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
+        self.theta = CheckpointReader(global_dir(plan, r))
+        self.deltas = [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
+        self.trained = [n for n in self.deltas[0].info if not n.endswith(SCALE_SUFFIX)]
+        for name in self.trained:
+            if name not in self.theta.info:
+                raise MergeInputError(f"{self.deltas[0].path}: tensor {name} is not in {self.theta.path}")
+        self.outer, self.previous = outer_of(plan.method), _outer_state(plan, r)
+        self.weights, self.device, self.block_bytes = weights, device, block_mb << 20
+        self.labels = [f"worker {k} round {r}" for k in workers]
+        self.seed, self.rules = plan.workers[0].config.run.seed, plan.method.effective_rules
+        self.meter, self.workspace = DriftMeter(len(workers)), Workspace()
+        self.seconds = {"drift": 0.0, "merge": 0.0, "outer": 0.0}
+
+    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """θ's new value and its momentum buffer, on the CPU."""
+        method, params = choose(name, self.rules)
+        readers = [delta_reader(d, name) for d in self.deltas]
+        inputs = TensorInputs(
+            name,
+            self.theta.info[name].shape,
+            readers,
+            self.labels,
+            device=self.device,
+            block_bytes=self.block_bytes,
+            workspace=self.workspace,
+        )
+        began = time.perf_counter()
+        for i in inputs.blocks:
+            self.meter.add(list(inputs.block(i)))
+        inputs.forget()
+        began = self._lap("drift", began)
+        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed))
+        began = self._lap("merge", began)
+        value = self.theta.get(name).to(self.device, torch.float32)
+        previous = self.previous.get(name).to(self.device) if self.previous else None
+        buffer = self.outer.step(value, g, previous)
+        self._lap("outer", began)
+        return value.cpu(), None if buffer is None else buffer.cpu()
+
+    def _lap(self, part: str, began: float) -> float:
+        now = time.perf_counter()
+        self.seconds[part] += now - began
+        return now
 
 
 def worker_weights(plan: DilocoPlan, metas: list[dict[str, Any]]) -> torch.Tensor:
@@ -167,40 +205,31 @@ def outer_of(method: DilocoMethod) -> OuterSGD:
     return OuterSGD(lr=method.outer_lr, momentum=method.outer_momentum, nesterov=method.nesterov)
 
 
-def _record(
-    plan: DilocoPlan,
-    r: int,
-    workers: list[int],
-    metas: list[dict[str, Any]],
-    weights: torch.Tensor,
-    meter: DriftMeter,
-    deltas: list[CheckpointReader],
-    theta: CheckpointReader,
-    trained: list[str],
-) -> dict[str, Any]:
+def _record(plan: DilocoPlan, r: int, workers: list[int], metas: list[dict[str, Any]], step: _RoundStep) -> dict:
     """The round as the report shows it. Bytes: each worker sends its payload and receives the
     trained tensors of the new global in fp32; data-parallel training of the same tokens would
-    all-reduce fp32 gradients every step (ring: 2 (R − 1) / R of them per worker and step)."""
-    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in trained)
-    sent = sum(sum(i.nbytes for i in d.info.values()) for d in deltas)
-    size = plan.size
+    all-reduce fp32 gradients every inner step: with a ring, 2 (R − 1) / R of them sent by each
+    worker (and as many received)."""
+    fp32 = sum(4 * math.prod(step.theta.info[n].shape) for n in step.trained)
+    sent = sum(sum(i.nbytes for i in d.info.values()) for d in step.deltas)
     return {
         "round": r,
         "workers": workers,
-        "dropped": [k for k in range(size) if k not in workers],
-        "weights": [round(w, 6) for w in weights.tolist()],
+        "dropped": [k for k in range(plan.size) if k not in workers],
+        "weights": [round(w, 6) for w in step.weights.tolist()],
         "tokens": [m["tokens"] for m in metas],
-        "delta_norms": meter.norms(),
-        "mean_cosine": meter.mean_cosine(),
+        "delta_norms": step.meter.norms(),
+        "mean_cosine": step.meter.mean_cosine(),
         "bytes": {
             "sent": sent,
             "received": len(workers) * fp32,
-            "data_parallel": plan.inner_steps * 2 * (size - 1) * fp32,
+            "data_parallel": plan.inner_steps * 2 * (plan.size - 1) * fp32,  # sent, by all workers
         },
         "seconds": {
             "inner": max(m["seconds"]["inner"] for m in metas),
             "worker_io": max(m["seconds"]["load"] + m["seconds"]["save"] for m in metas),
             "launch": max(m["seconds"].get("launch", 0.0) for m in metas),
+            **{k: round(v, 4) for k, v in step.seconds.items()},
         },
     }
 
@@ -230,6 +259,14 @@ def send(source: Path, plan: DilocoPlan, r: int, k: int, save_s: float = 0.0) ->
             except OSError:
                 shutil.copy2(source / name, tmp / name)
         write_manifest(tmp, manifest["files"], **meta)
+
+
+def recover(plan: DilocoPlan, r: int) -> None:
+    """Round r's bookkeeping after a kill between writing global r + 1 and recording it: the
+    record (kept in the global's folder) and the clean-up."""
+    if all(x["round"] != r for x in records(plan)):
+        save_record(plan, json.loads((global_dir(plan, r + 1) / "round.json").read_text()))
+    retire(plan, r)
 
 
 def retire(plan: DilocoPlan, r: int) -> None:

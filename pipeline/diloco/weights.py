@@ -27,6 +27,19 @@ def disk_names(model: Any) -> dict[str, torch.nn.Parameter]:
     return on_disk
 
 
+def check_masters(params: dict[str, torch.nn.Parameter]) -> None:
+    """Every trained parameter that is not fp32 has a master copy DeepSpeed exposes (ZeRO-1/2, or
+    its bf16 optimizer). Under ZeRO-0 with bf16 weights DeepSpeed's unfused optimizer keeps fp32
+    copies of its own that nothing outside can set: a new global would be overwritten by the
+    next inner step, silently. Refused instead."""
+    hidden = [n for n, p in params.items() if p.dtype != torch.float32 and not hasattr(p, "_hp_mapping")]
+    if hidden:
+        raise ValueError(
+            f"DiLoCo: tensor {hidden[0]} is {params[hidden[0]].dtype} without a master copy DeepSpeed exposes; "
+            "train bf16 workers with ZeRO stage 1 or 2 (configs/deepspeed/zero2.json)"
+        )
+
+
 def master(param: torch.nn.Parameter) -> torch.Tensor:
     """The fp32 master copy of a parameter (the parameter itself when the optimizer steps it)."""
     full = safe_get_full_fp32_param(param)

@@ -18,6 +18,7 @@ batches, to the same result.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -25,23 +26,22 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
 from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
 from pipeline.diloco.compress import SCALE_SUFFIX, compress_with_feedback
 from pipeline.diloco.plan import DilocoPlan
-from pipeline.diloco.rounds import delta_dir, global_dir, rounds_done, send
-from pipeline.diloco.weights import disk_names, masters, set_weights
+from pipeline.diloco.rounds import MAX_SHARD, POLL_S, aborted, delta_dir, global_dir, rounds_done, send
+from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
 from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo
 from pipeline.train.curves import plot_loss
 from pipeline.train.lifetime import die_with_parent
 from pipeline.train.spec import BranchSpec
 from pipeline.train.worker import Branch
 
-POLL_S = 0.02  # how often a waiting worker looks for the next global weights
 PAYLOAD, RESIDUAL = "delta", "residual.safetensors"
-MAX_SHARD = 5 << 30
 PAYLOAD_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -60,13 +60,24 @@ class WorkerJob(BaseModel):
 
 
 def wait_for_global(plan: DilocoPlan, r: int, timeout_s: float) -> int:
-    """The newest round ≥ r whose global weights exist, once one does."""
+    """The newest round ≥ r whose global weights exist, once one does; an error if the aggregator
+    gave up (its abort note) or nothing came for ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while (done := rounds_done(plan)) < r:
+        if (note := aborted(plan)) is not None:
+            raise RuntimeError(f"DiLoCo {plan.variant}: the aggregator stopped the run: {note}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"DiLoCo {plan.variant}: no global weights of round {r} after {timeout_s:.0f} s")
         time.sleep(POLL_S)
     return done
+
+
+def next_round(plan: DilocoPlan, r: int, timeout_s: float, rank: int) -> int:
+    """The round to train, as rank 0 sees it: every rank of the worker trains the same one."""
+    chosen = [wait_for_global(plan, r, timeout_s) if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 def payload_plan(params: dict[str, torch.nn.Parameter], compression: str) -> dict[str, TensorInfo]:
@@ -131,13 +142,16 @@ def main(job_path: str) -> None:
     branch = Branch.start(job.spec)
     launch_s = time.time() - psutil.Process().create_time()  # process start, imports, engine, resume
     params, rank = disk_names(branch.engine.model), branch.rank.rank
+    check_masters(params)
     saved = branch.checkpointer.latest()
     residual = _residual(saved) if plan.error_feedback else None
     if rank == 0:
+        for leftover in branch.checkpointer.folder.glob(".round*"):  # a payload a kill kept from its checkpoint
+            shutil.rmtree(leftover, ignore_errors=True)
         publish(job, saved, branch.state.rounds - 1)  # saved before a kill, maybe not yet published
     while branch.state.rounds < plan.rounds:
         clock = Clock()
-        r = wait_for_global(plan, branch.state.rounds, branch.spec.train.timeout_s)
+        r = next_round(plan, branch.state.rounds, branch.spec.train.timeout_s, rank)
         waited = clock.lap()
         if r > 0:
             set_weights(params, str(global_dir(plan, r)))
@@ -154,7 +168,7 @@ def main(job_path: str) -> None:
         pending = branch.checkpointer.folder / f".round{r}"
         residual = write_payload(job, r, params, residual, pending, rank, **meta)
         branch.state = replace(branch.state, rounds=r + 1)
-        branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: pending.rename(tag / "diloco"))
+        branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
         if rank == 0:
             publish(job, branch.checkpointer.latest(), r, save_s=round(clock.lap(), 4))
         launch_s = 0.0
@@ -173,6 +187,13 @@ class Clock:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         return seconds
+
+
+def _keep(pending: Path, dst: Path) -> None:
+    """Move the round's payload into its checkpoint. A worker killed after this but before the
+    checkpoint became the latest one trains the round again into the same tag: replace it."""
+    shutil.rmtree(dst, ignore_errors=True)
+    pending.rename(dst)
 
 
 def _residual(saved: Path | None) -> dict[str, torch.Tensor]:

@@ -46,7 +46,8 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
     seconds = [r["seconds"] for r in records[1:] or records]
     wall = sum(s["wall"] for s in seconds)
     sent = sum(r["bytes"]["sent"] for r in records)
-    data_parallel = sum(r["bytes"]["data_parallel"] for r in records)
+    both_ways = sent + sum(r["bytes"]["received"] for r in records)
+    data_parallel = sum(r["bytes"]["data_parallel"] for r in records)  # sent; a ring receives as much
     final = models.get(run["variant"], {}).get("loss")
     merges = [m["loss"] for m in models.values() if m["kind"] == "merged"]
     joint = models.get("joint", {}).get("loss")
@@ -61,7 +62,7 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "vs_joint": None if final is None or joint is None else final - joint,
         "vs_best_merge": None if final is None or not merges else final - min(merges),
         "bytes_sent": sent,
-        "bytes_vs_data_parallel": sent / data_parallel if data_parallel else None,
+        "bytes_vs_data_parallel": both_ways / (2 * data_parallel) if data_parallel else None,
         "overhead_pct": 100 * (1 - sum(s["inner"] for s in seconds) / wall) if wall > 0 else None,
         "aggregation_pct": 100 * sum(s["aggregate"] for s in seconds) / wall if wall > 0 else None,
         "merge_pct": 100 * sum(s["merge"] for s in seconds) / wall if wall > 0 else None,
@@ -81,7 +82,7 @@ COLUMNS = {
     "vs_joint": "Δ vs joint",
     "vs_best_merge": "Δ vs best merge",
     "bytes_sent": "bytes sent",
-    "bytes_vs_data_parallel": "sent / data-parallel",
+    "bytes_vs_data_parallel": "sent + received / data-parallel",
     "overhead_pct": "overhead %",
     "aggregation_pct": "aggregation %",
     "merge_pct": "of which the merge %",
