@@ -52,6 +52,18 @@ MAX_SHARD = 5 << 30
 POLL_S = 0.02  # how often the aggregator looks for payloads and a worker for the next global weights
 
 
+class Clock:
+    """Seconds since the last lap."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+
 def global_dir(plan: DilocoPlan, r: int) -> Path:
     return Path(plan.init) if r == 0 else Path(plan.folder) / GLOBAL / str(r)
 
@@ -175,23 +187,18 @@ class _RoundStep:
             block_bytes=self.block_bytes,
             workspace=self.workspace,
         )
-        began = time.perf_counter()
+        clock = Clock()
         for i in inputs.blocks:
             self.meter.add(list(inputs.block(i)))
         inputs.forget()
-        began = self._lap("drift", began)
+        self.seconds["drift"] += clock.lap()
         g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed))
-        began = self._lap("merge", began)
+        self.seconds["merge"] += clock.lap()
         value = self.theta.get(name).to(self.device, torch.float32)
         previous = self.previous.get(name).to(self.device) if self.previous else None
         buffer = self.outer.step(value, g, previous)
-        self._lap("outer", began)
+        self.seconds["outer"] += clock.lap()
         return value.cpu(), None if buffer is None else buffer.cpu()
-
-    def _lap(self, part: str, began: float) -> float:
-        now = time.perf_counter()
-        self.seconds[part] += now - began
-        return now
 
 
 def worker_weights(plan: DilocoPlan, metas: list[dict[str, Any]]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
 from pipeline.diloco.compress import SCALE_SUFFIX, compress_with_feedback
 from pipeline.diloco.plan import DilocoPlan
-from pipeline.diloco.rounds import MAX_SHARD, POLL_S, aborted, delta_dir, global_dir, rounds_done, send
+from pipeline.diloco.rounds import MAX_SHARD, POLL_S, Clock, aborted, delta_dir, global_dir, rounds_done, send
 from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
 from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo
 from pipeline.train.curves import plot_loss
@@ -175,18 +175,6 @@ def main(job_path: str) -> None:
     if rank == 0:
         out = Path(branch.spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"DiLoCo worker {branch.spec.name}")
-
-
-class Clock:
-    """Seconds since the last lap."""
-
-    def __init__(self):
-        self.last = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        return seconds
 
 
 def _keep(pending: Path, dst: Path) -> None:
