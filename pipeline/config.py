@@ -94,6 +94,9 @@ class SourceSpec(Section):
     path: str | None = None
     images_dir: str | None = None
     tasks: list[str] | None = None  # builtin / vision_flan: keep only these tasks
+    # builtin, without tasks: which of its suites (pipeline.data.builtin.SUITES): the fine-tuning
+    # sources, the skills a warm-up teaches θ0, or unseen instruction/task combinations to evaluate
+    suite: Literal["finetune", "warmup", "unseen"] = "finetune"
     max_examples: int | None = Field(None, ge=1)
     heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0)
 
@@ -101,12 +104,24 @@ class SourceSpec(Section):
     def _path_needed(self) -> SourceSpec:
         if self.format != "builtin" and not self.path:
             raise ValueError(f"source '{self.name}' ({self.format}) needs a path")
+        if self.format != "builtin" and self.suite != "finetune":
+            raise ValueError(f"source '{self.name}': 'suite' is for builtin sources only")
         return self
+
+
+class EvalSourceSpec(SourceSpec):
+    """A source that is evaluated (all of its examples) and never trained on: ``unseen`` measures
+    generalisation to new tasks and instructions, ``retention`` what θ0 could do before fine-tuning."""
+
+    role: Literal["unseen", "retention"] = "unseen"
 
 
 class BuiltinSection(Section):
     examples_per_source: int = Field(240, ge=2)
     image_size: int = Field(112, ge=28)
+    # cued: each source of a conflicting pair has its own instruction, so one model can satisfy
+    # both; contradictory: the same question gets different answers in the two sources.
+    conflicts: Literal["cued", "contradictory"] = "cued"
 
 
 class DataSection(Section):
@@ -187,6 +202,9 @@ class WarmupSection(Section):
 
     steps: int = Field(0, ge=0)  # 0: θ0 is the model as built or loaded
     lr: float | None = Field(None, gt=0)  # default: train.lr
+    # The data that makes θ0 (the toy's "pre-training"); default: the fine-tuning sources. When
+    # given, the branches never train on them and their held-out split measures retention.
+    sources: list[SourceSpec] | None = None
 
 
 class MergeEntry(Section):
@@ -272,17 +290,24 @@ class DilocoSection(Section):
 
 
 class EvalSection(Section):
-    """Held-out evaluation of every model of a run."""
+    """Held-out evaluation of every model of a run: loss, and exact-match accuracy of greedy answers."""
 
     batch_size: int = Field(16, ge=1)
     max_examples_per_source: int | None = Field(None, ge=1)  # default: the whole held-out split
     device: str | None = None  # default: the first GPU, else the CPU
+    sources: list[EvalSourceSpec] = []  # evaluated, never trained on
+    accuracy: bool = True  # exact-match accuracy by batched greedy generation
+    max_new_tokens: int = Field(32, ge=1)  # per generated answer
+    barrier_points: int = Field(3, ge=0)  # interior points of the loss barrier between branches (0: none)
 
 
 class FlowSection(Section):
     """How the Prefect flow runs the stages."""
 
     joint_baseline: bool = True  # also train the joint baseline with the branches' total budget
+    # Controls: the same K, budget and merges on another split from the same θ0, in controls/<name>/.
+    # random: the Random-K split, which tells whether the conflict-aware split is what pays off.
+    controls: list[Literal["random"]] = []
     # A deployment of the merit-branch flow (e.g. "merit-branch/gpu"): every branch then trains as
     # a flow run of its own on that deployment's work pool, one machine each; the run directory
     # must be shared. Default: tasks of this flow run, sharing this machine's GPUs.
@@ -330,6 +355,12 @@ class RunConfig(Section):
         if d.shards == "given":
             return len(d.groups)
         return self.branch_count if d.shards == "merit" else d.workers or self.branch_count
+
+    @model_validator(mode="after")
+    def _source_names_unique(self) -> RunConfig:
+        names = [s.name for s in self.data.sources + (self.warmup.sources or []) + self.eval.sources]
+        require_unique(names, "source (data, warmup and eval sources together)")
+        return self
 
     @model_validator(mode="after")
     def _diloco_workers(self) -> RunConfig:
