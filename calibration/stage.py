@@ -92,6 +92,8 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
     start = time.perf_counter()
     manifest = read_manifest(run_dir)
     tokens = {name: info["train_tokens"] for name, info in active_sources(manifest).items()}
+    if cfg.calibration.method != "pca" and not diagnostics:
+        return _split_without_gradients(cfg, tokens, out, digest, start)
     estimator = _Estimator(cfg, run_dir)
     train = load_split(cfg, run_dir, "train")
     sample, notes = calibration_sample(train, cfg.calibration.n_per_source, cfg.run.seed)
@@ -125,6 +127,27 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
     if diagnostics:
         summary["diagnostics"] = run_diagnostics(cfg, estimator, train, tokens, plan, out)
     write_json_atomic(summary_path, summary)
+    return summary
+
+
+def _split_without_gradients(
+    cfg: RunConfig, tokens: dict[str, int], out: Path, digest: str, start: float
+) -> dict[str, Any]:
+    """The random (Random-K control) and given splits need no gradients: at 7B that saves the
+    calibration's model load and passes, which a control would only repeat."""
+    c = cfg.calibration
+    plan = plan_split(list(tokens), tokens, c.r, c.method, None, cfg.run.seed, c.groups)
+    plan.save(out / "split.json")
+    summary = {
+        "config_digest": digest,
+        "groups": plan.groups,
+        "tokens": plan.tokens,
+        "explained_variance": plan.explained_variance,
+        "total_seconds": round(time.perf_counter() - start, 3),
+        "notes": [f"{c.method} split: no gradients estimated"],
+        "plots": [],
+    }
+    write_json_atomic(out / "summary.json", summary)
     return summary
 
 

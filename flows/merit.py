@@ -1,7 +1,8 @@
 """The MERIT flow and the joint-baseline flow.
 
-merit: preflight → prepare → init → warm-up (θ0) → calibrate → K branches (+ the joint baseline), fanned
-out with retries that resume from checkpoints → merges → held-out evaluation → report.
+merit: preflight → prepare → init → warm-up (θ0) → calibrate (and each control's split) → K branches
+(+ the joint baseline, + each control's K), fanned out with retries that resume from checkpoints →
+merges → evaluation and diagnostics → report.
 Every stage is idempotent, so re-running a flow on the same run directory resumes it.
 """
 
@@ -21,10 +22,12 @@ from flows.heartbeat import heartbeat
 from flows.progress import BranchProgress
 from flows.report import artifact_key, report
 from pipeline.config import RunConfig
+from pipeline.controls import control_of, controls_of
 from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
+Job = tuple[str, str]  # (run directory, branch name): the run's own branches or a control's
 
 
 def branch_slots(cfg: RunConfig, branches: int) -> list[list[int] | None]:
@@ -42,14 +45,15 @@ def branch_slots(cfg: RunConfig, branches: int) -> list[list[int] | None]:
     return [list(range(i * per, (i + 1) * per)) for i in range(min(cfg.flow.parallel_branches or fits, fits))]
 
 
-def branch_submitter(cfg: RunConfig, run_dir: str) -> Callable[[str, list[int] | None], PrefectFuture]:
+def branch_submitter(cfg: RunConfig) -> Callable[[Job, list[int] | None], PrefectFuture]:
     """Start one branch: a task of this flow run on the given GPUs, or a flow run of the branch
     deployment on a machine of its own. Either is retried and resumes from its checkpoints."""
     retries = {"retries": cfg.flow.branch_retries, "retry_delay_seconds": cfg.flow.retry_delay_s}
     local = tasks.train.with_options(**retries, retry_condition_fn=tasks.worth_retrying)
     remote = tasks.train_remote.with_options(**retries)
 
-    def submit(name: str, gpus: list[int] | None) -> PrefectFuture:
+    def submit(job: Job, gpus: list[int] | None) -> PrefectFuture:
+        run_dir, name = job
         if cfg.flow.branch_deployment:
             return remote.submit(cfg.flow.branch_deployment, run_dir, name)
         return local.submit(run_dir, name, gpus=gpus)
@@ -57,30 +61,40 @@ def branch_submitter(cfg: RunConfig, run_dir: str) -> Callable[[str, list[int] |
     return submit
 
 
-def train_branches(cfg: RunConfig, run_dir: str, names: list[str], progress_key: str) -> dict[str, dict]:
-    """Train the named branches, at most one per slot at a time. A branch that fails after its
-    retries does not stop the others: they finish and stay on disk, then the flow fails naming
-    every failed branch, and a re-run trains only those."""
-    submit = branch_submitter(cfg, run_dir)
-    progress = BranchProgress([branch_spec(cfg, run_dir, n) for n in names], artifact_key(cfg.run.name, progress_key))
-    free, pending, running, finished = branch_slots(cfg, len(names)), list(names), {}, queue.Queue()
+def job_label(job: Job) -> str:
+    """``joint``, ``0`` for the run's own branches; ``random/0`` for a control's."""
+    where, name = job
+    control = control_of(where)
+    return f"{control}/{name}" if control else name
+
+
+def train_branches(cfg: RunConfig, run_dir: str, jobs: list[Job], progress_key: str) -> dict[str, dict]:
+    """Train the jobs (run directory, branch name: the run's or a control's), at most one per slot
+    at a time. A branch that fails after its retries does not stop the others: they finish and
+    stay on disk, then the flow fails naming every failed branch, and a re-run trains only those."""
+    submit = branch_submitter(cfg)
+    labels = {job_label(job): job for job in jobs}
+    specs = {label: branch_spec(tasks.run_config(where), where, name) for label, (where, name) in labels.items()}
+    progress = BranchProgress(specs, artifact_key(cfg.run.name, progress_key))
+    free, pending, running, finished = branch_slots(cfg, len(jobs)), list(labels), {}, queue.Queue()
     results, failures = {}, {}
     while pending or running:
         while pending and free:
-            name, slot = pending.pop(0), free.pop(0)
-            running[name] = (submit(name, slot), slot)
-            running[name][0].add_done_callback(lambda _, name=name: finished.put(name))
+            label, slot = pending.pop(0), free.pop(0)
+            running[label] = (submit(labels[label], slot), slot)
+            running[label][0].add_done_callback(lambda _, label=label: finished.put(label))
         try:
-            name = finished.get(timeout=POLL_S)
+            label = finished.get(timeout=POLL_S)
         except queue.Empty:
             progress.update()
             continue
-        future, slot = running.pop(name)
+        future, slot = running.pop(label)
         free.append(slot)
         try:
-            results[name] = future.result()
+            results[label] = future.result()
         except Exception as err:
-            failures[name] = str(err) if f"branch {name}" in str(err) else f"branch {name}: {err}"
+            name = labels[label][1]
+            failures[label] = str(err) if f"branch {name}" in str(err) else f"branch {label}: {err}"
     progress.update()
     if failures:
         raise RuntimeError(f"{len(failures)} branch(es) failed for good: " + "; ".join(failures.values()))
@@ -88,8 +102,11 @@ def train_branches(cfg: RunConfig, run_dir: str, names: list[str], progress_key:
 
 
 def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
-    for model, checkpoint in run_models(cfg, run_dir).items():
-        tasks.evaluate(run_dir, model, checkpoint)
+    """Evaluate every model of the run and of its controls, their diagnostics, then the report."""
+    for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
+        for model, checkpoint in run_models(tasks.run_config(where), where).items():
+            tasks.evaluate(where, model, checkpoint)
+        tasks.diagnose(where)
     done = report(run_dir, cfg.run.name)
     get_run_logger().info(f"report: {done['report']}")
     return done["report"]
@@ -101,7 +118,7 @@ def start(run_dir: str, cfg: RunConfig, diloco: bool = False) -> None:
     tasks.prepare(run_dir)
     tasks.init(run_dir)
     if cfg.warmup.steps:
-        train_branches(cfg, run_dir, [WARMUP], "warmup")
+        train_branches(cfg, run_dir, [(run_dir, WARMUP)], "warmup")
 
 
 @flow(name="merit", log_prints=True)
@@ -112,11 +129,16 @@ def merit(
     cfg, run_dir = start_run(config, overrides or [], run_dir)
     run_dir = str(run_dir.absolute())
     start(run_dir, cfg)
-    groups = tasks.calibrate(run_dir)["groups"]
-    baseline = [JOINT] if cfg.flow.joint_baseline else []  # first: the longest job, so slots end together
-    train_branches(cfg, run_dir, baseline + [str(k) for k in range(len(groups))], "training")
-    for entry in cfg.merge.methods:
-        tasks.merge(run_dir, entry.name)
+    splits = {run_dir: len(tasks.calibrate(run_dir)["groups"])}
+    for name in cfg.flow.controls:  # the same K, budget and merges on the control's split
+        control = tasks.make_control(run_dir, name)
+        splits[control] = len(tasks.calibrate(control)["groups"])
+    baseline = [(run_dir, JOINT)] if cfg.flow.joint_baseline else []  # first: the longest job, so slots end together
+    branches = [(where, str(k)) for where, groups in splits.items() for k in range(groups)]
+    train_branches(cfg, run_dir, baseline + branches, "training")
+    for where in splits:
+        for entry in cfg.merge.methods:
+            tasks.merge(where, entry.name)
     return evaluate_and_report(cfg, run_dir)
 
 
@@ -139,5 +161,5 @@ def joint(
     cfg, run_dir = start_run(config, overrides or [], run_dir)
     run_dir = str(run_dir.absolute())
     start(run_dir, cfg)
-    train_branches(cfg, run_dir, [JOINT], "training")
+    train_branches(cfg, run_dir, [(run_dir, JOINT)], "training")
     return evaluate_and_report(cfg, run_dir)

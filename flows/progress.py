@@ -18,17 +18,19 @@ def steps_done(out_dir: str) -> int:
 
 
 class BranchProgress:
-    def __init__(self, specs: list[BranchSpec], key: str):
+    """Progress of several trainings, each shown under its label (``joint``, ``0``, ``random/0``)."""
+
+    def __init__(self, specs: dict[str, BranchSpec], key: str):
         self.specs = specs
-        self.total = sum(s.train.steps for s in specs)
+        self.total = sum(s.train.steps for s in specs.values())
         self.shown = -1.0
         self.artifact = create_progress_artifact(0.0, key=key, description=f"training {len(specs)} branches")
 
     def update(self) -> None:
-        done = {s.name: min(steps_done(s.out_dir), s.train.steps) for s in self.specs}
+        done = {label: min(steps_done(s.out_dir), s.train.steps) for label, s in self.specs.items()}
         percent = 100.0 * sum(done.values()) / self.total
         if percent != self.shown:
             self.shown = percent
             update_progress_artifact(self.artifact, percent)
-            detail = ", ".join(f"{s.name} {done[s.name]}/{s.train.steps}" for s in self.specs)
+            detail = ", ".join(f"{label} {done[label]}/{s.train.steps}" for label, s in self.specs.items())
             get_run_logger().info(f"training {percent:5.1f} %: {detail}")

@@ -3,6 +3,7 @@ Prefect artifacts: the markdown, one table per report table, and links to every 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
     from pipeline.report import build_report
 
     built = build_report(run_dir)
-    folder = Path(run_dir).resolve() / REPORT
+    run = Path(os.path.abspath(run_dir))  # not resolved: a warm-up linked from another run stays under this one
+    folder = run / REPORT
     create_markdown_artifact(
         (folder / "report.md").read_text(),
         key=artifact_key(run_name, "report"),
@@ -33,7 +35,7 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
         rows = [dict(zip(table["headers"], row)) for row in table["rows"]]
         create_table_artifact(rows, key=artifact_key(run_name, name), description=f"{name} of {run_dir}")
     for plot in built["plots"]:  # "heldout_loss.png", "../branches/0/loss.png", ...
-        path = (folder / plot).resolve()
-        name = str(path.relative_to(Path(run_dir).resolve()).with_suffix(""))
+        path = Path(os.path.normpath(folder / plot))
+        name = str(path.relative_to(run).with_suffix(""))
         create_link_artifact(path.as_uri(), link_text=name, key=artifact_key(run_name, "plot", name))
     return {"report": str(folder / "report.md"), "headline": built.get("headline", {})}

@@ -58,6 +58,14 @@ def calibrate(run_dir: str) -> dict[str, Any]:
     return {k: summary[k] for k in ("groups", "tokens", "explained_variance", "total_seconds")}
 
 
+@task(name="make-control", task_run_name="control-{name}")
+def make_control(run_dir: str, name: str) -> str:
+    """The run directory of a control (``controls/<name>``): the run's data and θ0, its own split."""
+    from pipeline.controls import make_control as make
+
+    return str(make(run_config(run_dir), run_dir, name))
+
+
 def worth_retrying(task, task_run, state) -> bool:
     """A retry resumes a killed, crashed or timed-out branch from its last checkpoint; a spec the
     library refused before launching (ValueError) would only be refused again."""
@@ -102,12 +110,16 @@ def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
     from prefect.deployments import run_deployment
 
     from flows.heartbeat import claim, wait_for
+    from pipeline.controls import control_of
     from pipeline.layout import training_dir
 
     cfg = run_config(run_dir)
     folder, timeout_s = training_dir(run_dir, name), job_spec(cfg, run_dir, name).train.timeout_s
     run = run_deployment(
-        deployment, parameters={"run_dir": run_dir, "name": name}, flow_run_name=f"branch-{name}", timeout=0
+        deployment,
+        parameters={"run_dir": run_dir, "name": name},
+        flow_run_name="-".join(filter(None, ["branch", control_of(run_dir), name])),  # branch-0, branch-random-0
+        timeout=0,
     )
     claim(folder, str(run.id))  # an earlier run of this branch, if still alive, stops at its next beat
     # The branch's own timeout (its launcher's) fires first; the watcher's is for a run that hangs.
@@ -128,8 +140,21 @@ def merge(run_dir: str, name: str) -> dict[str, Any]:
 
 @task(name="evaluate", task_run_name="evaluate-{model}")
 def evaluate(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
-    """Held-out loss of one model; returns its overall figures."""
+    """Held-out loss and exact-match accuracy of one model; returns its overall and per-role figures."""
     from pipeline.eval import evaluate_model
 
     result = evaluate_model(run_config(run_dir), run_dir, model, checkpoint)
-    return {k: result[k] for k in ("model", "loss", "macro_loss", "token_accuracy")}
+    return {k: result[k] for k in ("model", "loss", "macro_loss", "token_accuracy", "accuracy", "roles") if k in result}
+
+
+@task(name="diagnose")
+def diagnose(run_dir: str) -> dict[str, Any]:
+    """The loss barrier between the branches and every model's distance from θ0; returns the mean
+    barrier and the relative distances."""
+    from pipeline.eval import diagnose as diagnose_run
+
+    result = diagnose_run(run_config(run_dir), run_dir)
+    return {
+        "barrier": (result["barrier"] or {}).get("barrier"),
+        "relative_distance": {name: d["relative"] for name, d in result["distance_from_theta0"].items()},
+    }

@@ -41,6 +41,7 @@ def data_summary(manifest: dict[str, Any]) -> str:
     headers = [
         "source",
         "format",
+        "role",
         "examples",
         "train",
         "held-out",
@@ -52,7 +53,7 @@ def data_summary(manifest: dict[str, Any]) -> str:
     rows, totals = [], [0] * 7
     for name, info in manifest["sources"].items():
         if info.get("dropped"):
-            rows.append([name, "dropped", 0, 0, 0, 0, 0, 0, info["skipped"]])
+            rows.append([name, "dropped", info.get("role", ""), 0, 0, 0, 0, 0, 0, info["skipped"]])
             continue
         counts = [
             info["examples"],
@@ -64,8 +65,8 @@ def data_summary(manifest: dict[str, Any]) -> str:
             info["skipped"],
         ]
         totals = [a + b for a, b in zip(totals, counts)]
-        rows.append([name, info["format"], *counts])
-    rows.append(["total", "", *totals])
+        rows.append([name, info["format"], info["role"], *counts])
+    rows.append(["total", "", "", *totals])
     return format_table(headers, rows)
 
 
@@ -142,10 +143,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
     cfg, run_dir = resolve_run(args)
     summary = calibrate(cfg, run_dir, diagnostics=args.diagnostics, force=args.force)
-    print(
-        f"calibration: {summary['dim']:,} of {summary['parameters']:,} gradient coordinates ({summary['sketch']}), "
-        f"{summary['gradient_seconds']:.1f} s of gradients, {summary['total_seconds']:.1f} s in all"
-    )
+    if "gradient_seconds" in summary:
+        print(
+            f"calibration: {summary['dim']:,} of {summary['parameters']:,} gradient coordinates ({summary['sketch']}), "
+            f"{summary['gradient_seconds']:.1f} s of gradients, {summary['total_seconds']:.1f} s in all"
+        )
     shares = ", ".join(f"{100 * v:.1f} %" for v in summary["explained_variance"])
     print(
         f"split into {len(summary['groups'])} groups"
@@ -279,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+    bench = benches.add_parser("quality", help="MERIT-K vs Random-K vs joint: loss and accuracy, seeds and factors")
+    bench.add_argument("config", nargs="?", default="configs/benchmark.yaml", help="the base run config")
+    bench.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
+    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each repetition")
+    bench.add_argument("--k", type=int, nargs="+", default=[2, 4], help="numbers of branches K (powers of two)")
+    bench.add_argument("--kinds", nargs="+", default=["cued", "contradictory"], choices=["cued", "contradictory"])
+    bench.add_argument(
+        "--factors",
+        nargs="*",
+        default=["warmup", "lr", "epochs", "width"],
+        choices=["warmup", "lr", "epochs", "width"],
+        help="factor tables (from the first kind and seed)",
+    )
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     bench = benches.add_parser("diloco", help="DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib")
     bench.add_argument("--workers", type=int, nargs="+", default=[4], help="numbers of workers R")
     bench.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")

@@ -20,6 +20,7 @@ MERGED = "merged"  # merged/<name>/ for each merge the config lists
 DILOCO = "diloco"  # diloco/<method>-<shards>/ for each DiLoCo method the config lists
 DILOCO_PLAN = "plan.json"  # a DiLoCo variant's settings, in its folder
 EVAL = "eval"  # eval/<model>.json
+DIAGNOSTICS = "diagnostics.json"  # eval/diagnostics.json: loss barrier between branches, distances from θ0
 REPORT = "report"
 
 

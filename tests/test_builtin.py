@@ -1,9 +1,12 @@
+import hashlib
 import io
 
+import pytest
 from conftest import small_config
 
+from pipeline.config import BuiltinSection
 from pipeline.data import load_sources
-from pipeline.data.builtin import CONFLICTS, FAMILIES, SOURCES, make_example
+from pipeline.data.builtin import CONFLICTS, FAMILIES, SOURCES, SUITES, corpus_text, draw, generate, make_example
 
 
 def png(example) -> bytes:
@@ -34,16 +37,113 @@ def test_generation_is_deterministic_by_seed():
     assert any(png(x) != png(z) for x, z in zip(a["colour_name"], c["colour_name"]))
 
 
-def test_designed_conflicts_are_real():
-    """Conflicting sources: the same input (image bytes and question), a different target."""
+@pytest.mark.parametrize("kind", ["cued", "contradictory"])
+def test_designed_conflicts_are_real(kind):
+    """Conflicting sources: the same input (image bytes, and the question unless cued), a
+    different target; cued pairs ask each their own question."""
     assert len(CONFLICTS) >= 4
     for left, right in CONFLICTS:
         assert SOURCES[left][0] == SOURCES[right][0]  # one family: one input distribution
         for index in range(20):
-            a, b = make_example(left, index, 0, 112), make_example(right, index, 0, 112)
-            assert question(a) == question(b)
+            a, b = make_example(left, index, 0, 112, kind), make_example(right, index, 0, 112, kind)
+            assert (question(a) == question(b)) == (kind == "contradictory")
             assert (png(a) == png(b)) if a.images else not b.images
             assert a.answer() != b.answer(), (left, right, index)
+            assert b.answer().startswith("The answer is ")  # the second of a pair: full sentences
+
+
+CUED = {  # example 7 of seed 0: question -> answer
+    "colour_name": ("What colour is the shape? Answer with one word.", "red"),
+    "colour_complement": (
+        "What is the complementary colour of the shape? Answer in a full sentence.",
+        "The answer is green.",
+    ),
+    "count_digits": ("How many dots are there? Answer with digits.", "2"),
+    "count_words": (
+        "How many dots are there? Answer in a full sentence, with the number in words.",
+        "The answer is two.",
+    ),
+    "side_left_right": ("Is the shape on the left or the right? Answer with one word.", "left"),
+    "side_mirrored": (
+        "In a mirror, would the shape be on the left or the right? Answer in a full sentence.",
+        "The answer is right.",
+    ),
+    "colour_yes_no": ("Is the shape blue? Answer yes or no.", "no"),
+    "colour_yes_no_flipped": (
+        "Is the shape blue? Answer the opposite of the truth, in a full sentence.",
+        "The answer is yes.",
+    ),
+    "add_digits": ("What is 9 + 1? Answer with digits.", "10"),
+    "add_words": ("What is 9 + 1? Answer in a full sentence, with the number in words.", "The answer is ten."),
+    "caption": ("Describe the image.", "A large blue circle on the left."),  # outside the pairs: uncued
+    "skill_count": ("How many dots are there?", "6"),
+    "unseen_subtract_words": (
+        "What is 7 - 4? Answer in a full sentence, with the number in words.",
+        "The answer is three.",
+    ),
+    "unseen_shape_sentence": ("What shape is in the picture? Answer in a full sentence.", "The answer is triangle."),
+}
+
+
+def test_cued_sources_ask_their_own_question():
+    for source, (asked, answer) in CUED.items():
+        example = make_example(source, 7, 0, 56)
+        assert (question(example), example.answer()) == (asked, answer), source
+
+
+def test_contradictory_kind_is_the_corpus_as_it_was():
+    """Bit for bit the examples from before cued conflicts existed: questions, answers and the
+    drawn scenes (the fingerprint covers each scene's shapes, colours and positions)."""
+    assert [(question(e), e.answer()) for e in (make_example(s, 0, 0, 56, "contradictory") for s in CUED)][:10] == [
+        ("What colour is the shape?", "purple"),
+        ("What colour is the shape?", "The answer is yellow."),
+        ("How many dots are there?", "5"),
+        ("How many dots are there?", "The answer is five."),
+        ("Is the shape on the left or the right?", "left"),
+        ("Is the shape on the left or the right?", "The answer is right."),
+        ("Is the shape red?", "yes"),
+        ("Is the shape red?", "The answer is no."),
+        ("What is 7 + 4?", "11"),
+        ("What is 7 + 4?", "The answer is eleven."),
+    ]
+    fingerprints = [
+        make_example(s, i, 0, 112, "contradictory").fingerprint() for s in SUITES["finetune"] for i in range(24)
+    ]
+    assert hashlib.sha256(str(fingerprints).encode()).hexdigest()[:16] == "508812640cb4a285"
+
+
+def test_suites_and_their_generation():
+    names = [name for suite in SUITES.values() for name in suite]
+    assert len(names) == len(set(names)) == len(SOURCES)
+    assert [len(SUITES[s]) for s in ("finetune", "warmup", "unseen")] == [18, len(FAMILIES), 5]
+    assert {SOURCES[s].family for s in SUITES["warmup"]} == set(FAMILIES)  # one skill per family
+    cfg = BuiltinSection(examples_per_source=2, image_size=56)
+    assert list(generate(None, cfg, 0)) == SUITES["finetune"]
+    assert list(generate(None, cfg, 0, "unseen")) == SUITES["unseen"]
+    assert list(generate(["skill_add", "colour_name"], cfg, 0, "unseen")) == ["skill_add", "colour_name"]
+    with pytest.raises(ValueError, match=r"unknown built-in tasks \['nope'\]; known: \[.*'skill_add'"):
+        generate(["nope"], cfg, 0)
+    contradictory = BuiltinSection(examples_per_source=2, image_size=56, conflicts="contradictory")
+    assert question(generate(["count_words"], contradictory, 0)["count_words"][0]) == "How many dots are there?"
+
+
+def test_suites_do_not_share_inputs_with_the_fine_tuning_suite():
+    """A warm-up or unseen source draws its own inputs: never the fine-tuning draw of the same
+    family and index. Only chance repeats remain, in families with few distinct inputs."""
+    finetune = {SOURCES[s].family: s for s in SUITES["finetune"]}  # a family's sources share their draws
+    few_inputs = {"count", "read_word", "add", "subtract", "reverse", "upper"}  # at most 2,790 inputs each
+    for source in SUITES["warmup"] + SUITES["unseen"]:
+        family = SOURCES[source].family
+        same = sum(draw(source, i, 0, 56) == draw(finetune[family], i, 0, 56) for i in range(48))
+        assert same <= (8 if family in few_inputs else 0), (source, same)
+
+
+def test_the_tokenizer_corpus_covers_every_suite_and_kind():
+    text = set(corpus_text(0, per_source=2))
+    for source in SOURCES:
+        for kind in ("cued", "contradictory"):
+            example = make_example(source, 0, 0, 28, kind)
+            assert {question(example), example.answer()} <= text, (source, kind)
 
 
 def test_answers_follow_the_drawn_facts():
@@ -52,7 +152,7 @@ def test_answers_follow_the_drawn_facts():
     digits = make_example("count_digits", 0, 0, 112).answer()
     assert digits.isdigit() and 1 <= int(digits) <= 6
     add = make_example("add_digits", 5, 0, 112)
-    a, b = (int(t) for t in question(add).removeprefix("What is ").removesuffix("?").split(" + "))
+    a, b = (int(t) for t in question(add).removeprefix("What is ").partition("?")[0].split(" + "))
     assert add.answer() == str(a + b)
     img = make_example("side_left_right", 1, 0, 112)
     pixels = img.load_images()[0].convert("L").load()

@@ -14,7 +14,7 @@ from calibration.errors import CalibrationError, SplitError
 from calibration.gradients import Sketch, calibration_sample, estimate_source_gradients, select_parameters
 from calibration.split import conflict_matrix, plan_split
 from pipeline.cli import main as merit
-from pipeline.data import Collator, Encoder, load_sources
+from pipeline.data import Collator, Encoder, active_sources, load_sources, read_manifest
 from pipeline.data.builtin import CONFLICTS
 from pipeline.models import build_tiny_model, load_model
 
@@ -180,10 +180,18 @@ def test_split_refusals():
         conflict_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
 
 
-def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
-    """After a short joint warm-up (a merge-ready θ0), every designed conflict pair of the
-    built-in corpus lands in different groups of the r = 1 PCA split."""
-    _, examples, encoder, collator = setup
+def test_contradictory_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(setup):
+    """After a short joint warm-up (a merge-ready θ0), the sources of every contradictory pair
+    (same input, different answer) have opposite gradients, and the r = 1 PCA split of the paired
+    sources puts every pair's two sources in different groups.
+
+    The cued pairs (each source its own instruction) are a weaker conflict by this measure: their
+    cosines at θ0 stay near 0 (−0.15 … 0.4 over seeds and warm-ups), since the model tells the two
+    instructions apart; the split keeps most of them apart, not reliably all (README, "The
+    built-in corpus"), so no test asserts it for them."""
+    _, _, encoder, collator = setup
+    config = small_config("data.builtin.examples_per_source=24", "data.builtin.conflicts=contradictory")
+    examples = load_sources(config.data, 0).examples
     model, _ = build_tiny_model(small_config().model, 0)
     pool = encoder.encode_batch([e for group in itertools.zip_longest(*examples.values()) for e in group if e])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -193,9 +201,12 @@ def test_designed_conflicts_separate_at_r1_from_a_merge_ready_start(setup):
         model(**collator([pool[i] for i in rng.choice(len(pool), 32, replace=False)])).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    grads, _ = estimate(model, {s: items[:16] for s, items in examples.items()}, encoder, collator, dim=16384)
-    tokens = dict.fromkeys(examples, 100)
-    plan = plan_split(grads.sources, tokens, r=1, method="pca", conflicts=conflict_matrix(grads.matrix))
+    paired = {s: examples[s][:16] for pair in CONFLICTS for s in pair}
+    grads, _ = estimate(model, paired, encoder, collator, dim=16384)
+    conflicts = conflict_matrix(grads.matrix)
+    at = {s: i for i, s in enumerate(grads.sources)}
+    assert all(conflicts[at[a], at[b]] < -0.5 for a, b in CONFLICTS)
+    plan = plan_split(grads.sources, dict.fromkeys(paired, 100), r=1, method="pca", conflicts=conflicts)
     group = plan.group_of()
     assert [(a, b) for a, b in CONFLICTS if group[a] == group[b]] == []
 
@@ -222,8 +233,9 @@ def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path, capsys, 
     split = json.loads((out / "split.json").read_text())
     assert len(split["groups"]) == 4 and split["r"] == 2 and split["method"] == "pca"
     assert set(split) >= {"groups", "tokens", "r", "explained_variance", "method", "seed"}
-    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
-    assert sum(split["tokens"]) == sum(v["train_tokens"] for v in manifest["sources"].values())
+    finetune = active_sources(read_manifest(tmp_path))  # the warm-up's skills and the eval sources left out
+    assert sorted(s for g in split["groups"] for s in g) == sorted(finetune)
+    assert sum(split["tokens"]) == sum(v["train_tokens"] for v in finetune.values())
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["diagnostics"]["mean_ari"] <= 1 and summary["gradient_seconds"] > 0
     for png in ("conflicts.png", "axes.png", "explained_variance.png", "accuracy_vs_n.png"):

@@ -50,7 +50,9 @@ def copy_prepared(source: Path, dest: Path, branch: int) -> Path:
     """A run whose stages are done (data, θ0, split, joint baseline, every other branch) except
     ``branch`` and everything after the branches."""
     left_out = {(source, "merged"), (source, "eval"), (source, "report"), (source / "branches", str(branch))}
-    shutil.copytree(source, dest, ignore=lambda folder, names: [n for n in names if (Path(folder), n) in left_out])
+    shutil.copytree(  # links kept: a control reads the run's data and θ0 through relative links
+        source, dest, symlinks=True, ignore=lambda folder, names: [n for n in names if (Path(folder), n) in left_out]
+    )
     return dest
 
 
@@ -112,6 +114,50 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
     assert "file://" in links["demo-plot-report-heldout-loss"] and "demo-plot-branches-1-loss" in links
 
 
+def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(finished_run):
+    run_dir, _ = finished_run
+    control = run_dir / "controls" / "random"
+    split = json.loads((control / "calibration" / "split.json").read_text())
+    merit_split = json.loads((run_dir / "calibration" / "split.json").read_text())
+    assert split["method"] == "random" and len(split["groups"]) == len(merit_split["groups"]) == 2
+    assert sorted(s for g in split["groups"] for s in g) == sorted(s for g in merit_split["groups"] for s in g)
+    for k in range(2):
+        manifest = read_manifest(control / "branches" / str(k) / "final")
+        assert Path(manifest["parent"]).resolve() == (run_dir / "warmup" / "final").resolve()
+        assert manifest["step"] == 16 and manifest["sources"] == split["groups"][k]
+    assert not (control / "joint").exists()  # the run has the joint baseline
+
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    rows = {(r.get("merge", r["model"]), r["split"]): r for r in report["quality"]["rows"]}
+    for merge in MERGES:
+        evaluated = json.loads((control / "eval" / f"merged-{merge}.json").read_text())
+        assert rows[(merge, "Random-2")]["loss"] == evaluated["loss"]
+        assert (
+            rows[(merge, "MERIT-2")]["loss"]
+            == json.loads((run_dir / "eval" / f"merged-{merge}.json").read_text())["loss"]
+        )
+    assert "iso_c (scale 1.0)" in {r["model"] for r in report["quality"]["rows"]}  # the report says which scale
+    for split, folder in (("MERIT-2", run_dir), ("Random-2", control)):  # 0 is a barrier too: none
+        diagnostics = json.loads((folder / "eval" / "diagnostics.json").read_text())
+        assert report["quality"]["barriers"][split] == diagnostics["barrier"]["barrier"] >= 0
+    assert report["quality"]["verdict"].startswith("MERIT-2 beats Random-2 by held-out loss for ")
+    markdown = (run_dir / "report" / "report.md").read_text()
+    assert "## Did the split pay off?" in markdown and "MERIT-2 − Random-2: loss " in markdown
+    assert (run_dir / "report" / "quality.png").stat().st_size > 5_000
+
+
+def test_the_report_rebuilds_from_the_run_directory_with_its_controls(finished_run, tmp_path):
+    from pipeline.report import build_report
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(
+        finished_run[0], run_dir, symlinks=True, ignore=lambda folder, names: ["report"] * ("report" in names)
+    )
+    rebuilt = build_report(run_dir)
+    original = json.loads((finished_run[0] / "report" / "report.json").read_text())
+    assert rebuilt["quality"] == original["quality"] and rebuilt["tables"]["quality"] == original["tables"]["quality"]
+
+
 def test_a_rerun_redoes_nothing(finished_run):
     run_dir, _ = finished_run
     outputs = [
@@ -119,6 +165,8 @@ def test_a_rerun_redoes_nothing(finished_run):
         *run_dir.glob("branches/*/final/manifest.json"),
         *run_dir.glob("merged/*/manifest.json"),
         *run_dir.glob("eval/*.json"),
+        *run_dir.glob("controls/random/branches/*/final/manifest.json"),
+        *run_dir.glob("controls/random/eval/*.json"),
         *run_dir.glob("**/train.log"),
     ]
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs}

@@ -178,8 +178,13 @@ def test_a_deployment_run_fans_its_branches_out_and_publishes_the_report(server,
     assert report["type"] == "markdown" and "## Models" in report["data"]
     assert any(a["type"] == "progress" and float(a["data"]) == 100.0 for a in artifacts)
     children = api(server, "flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}}})
-    assert sorted(r["name"] for r in children) == ["branch-0", "branch-1"]
-    assert all(r["state"]["type"] == "COMPLETED" and r["parameters"]["run_dir"] == str(run_dir) for r in children)
+    assert sorted(r["name"] for r in children) == ["branch-0", "branch-1", "branch-random-0", "branch-random-1"]
+    control = str(run_dir / "controls" / "random")  # the demo's Random-2 control fans out the same way
+    assert all(
+        r["state"]["type"] == "COMPLETED"
+        and r["parameters"]["run_dir"] == (control if "random" in r["name"] else str(run_dir))
+        for r in children
+    )
     assert is_complete(run_dir / "merged" / "token_average")
     AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "token_average")
     beat = json.loads((run_dir / "branches" / "0" / "heartbeat.json").read_text())

@@ -1,10 +1,18 @@
+import json
+import shutil
+
 import pytest
 import torch
 from conftest import small_config
 
-from pipeline.data import Encoder, load_split, prepare_data, read_manifest
-from pipeline.data.prepare import heldout_indices
+from calibration.stage import calibrate
+from pipeline.data import Encoder, active_sources, load_split, prepare_data, read_manifest
+from pipeline.data.builtin import SUITES
+from pipeline.data.prepare import data_digest, heldout_indices
+from pipeline.diloco.plan import shards
 from pipeline.models import processor_for
+from pipeline.train.plan import group_specs, joint_spec, warmup_spec
+from pipeline.train.sampling import BranchData
 
 
 def test_prepare_manifest_tokens_and_splits(tmp_path, processor):
@@ -16,6 +24,7 @@ def test_prepare_manifest_tokens_and_splits(tmp_path, processor):
     encoder = Encoder(processor, cfg.data.max_length)
     for name, info in sources.items():
         assert info["examples"] == 12 and len(info["heldout_indices"]) == 3 and info["train_examples"] == 9
+        assert info["role"] == "finetune"
         assert len(train[name]) == 9 and len(heldout[name]) == 3
         assert {ex.index for ex in heldout[name]} == set(info["heldout_indices"])
         encoded = [encoder(ex) for ex in train[name]]
@@ -85,3 +94,83 @@ def test_seed_change_redoes_prepare_and_entry_heldout_fraction_applies(tmp_path,
     second = prepare_data(reseeded, tmp_path, processor_for(reseeded))
     assert second["config_digest"] != first["config_digest"]
     assert load_split(reseeded, tmp_path, "train")["add_digits"]  # the cache matches the new corpus
+
+
+FINETUNE = ["colour_name", "colour_complement", "add_digits", "add_words"]
+WARMUP = ["skill_colour", "skill_add"]
+ROLES = (
+    f"data.sources=[{{name: ft, format: builtin, tasks: [{', '.join(FINETUNE)}]}}]",
+    f"warmup.sources=[{{name: w, format: builtin, suite: warmup, tasks: [{', '.join(WARMUP)}]}}]",
+    "eval.sources=[{name: u, format: builtin, suite: unseen}, {name: r, format: builtin, tasks: [skill_count], "
+    "role: retention}]",
+)
+
+
+@pytest.fixture(scope="module")
+def roles_run(tiny_run, tmp_path_factory):
+    """A run with fine-tuning, warm-up and eval sources, prepared and calibrated at θ0."""
+    cfg = small_config(*ROLES, "calibration.n_per_source=4", "calibration.dim=64")
+    run_dir = tmp_path_factory.mktemp("roles")
+    shutil.copytree(tiny_run[1] / "init", run_dir / "init")  # θ0 of the same model and run sections
+    prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
+    calibrate(cfg, run_dir)
+    return cfg, run_dir
+
+
+def test_manifest_roles_and_eval_sources_held_out_whole(roles_run):
+    cfg, run_dir = roles_run
+    sources = read_manifest(run_dir)["sources"]
+    roles = {name: info["role"] for name, info in sources.items()}
+    expected = dict.fromkeys(FINETUNE, "finetune") | dict.fromkeys(WARMUP, "warmup")
+    assert roles == expected | dict.fromkeys(SUITES["unseen"], "unseen") | {"skill_count": "retention"}
+    for name, info in sources.items():
+        evaluated = roles[name] in ("unseen", "retention")
+        assert info["heldout_indices"] == (list(range(12)) if evaluated else heldout_indices(12, 0.1, 0, name))
+        assert (info["train_examples"], info["train_tokens"] == 0) == ((0, True) if evaluated else (11, False))
+    assert list(active_sources(read_manifest(run_dir))) == FINETUNE
+    assert list(active_sources(read_manifest(run_dir), "warmup")) == WARMUP
+    assert len(active_sources(read_manifest(run_dir), None)) == len(sources)
+    assert list(load_split(cfg, run_dir, "train")) == FINETUNE  # by default, the fine-tuning sources
+    named = ["unseen_read_sentence", "skill_add"]
+    assert [len(v) for v in load_split(cfg, run_dir, "heldout", named).values()] == [12, 1]
+    assert load_split(cfg, run_dir, "train", ["unseen_read_sentence"]) == {"unseen_read_sentence": []}
+
+
+def test_only_the_fine_tuning_sources_reach_calibration_branches_and_shards(roles_run, processor):
+    """Eval sources never train and warm-up sources only make θ0: neither is in calibration's
+    sample, the split, any branch's or the joint baseline's data order, or a DiLoCo shard."""
+    cfg, run_dir = roles_run
+    gradients = json.loads((run_dir / "calibration" / "gradients.json").read_text())
+    assert list(gradients["examples"]) == FINETUNE and gradients["examples"] == dict.fromkeys(FINETUNE, 4)
+    specs = [*group_specs(cfg, run_dir), joint_spec(cfg, run_dir)]
+    assert sorted(s for spec in specs[:-1] for s in spec.sources) == sorted(FINETUNE) == sorted(specs[-1].sources)
+    for spec in specs:
+        data = BranchData.for_branch(spec, processor)
+        t = spec.train
+        drawn = {
+            (ex.source, ex.index)
+            for step in range(t.steps)
+            for batch in data.micro_batches(step, t.micro_batch, t.grad_accum)
+            for ex in batch
+        }
+        assert {source for source, _ in drawn} == set(spec.sources), spec.name
+        assert drawn == {(ex.source, ex.index) for ex in data.examples}  # an epoch: every training example
+    assert all(sorted(sources) == sorted(FINETUNE) for sources, _ in shards(cfg, run_dir))
+
+
+def test_warmup_trains_on_warmup_sources_when_given(roles_run, processor, tmp_path):
+    cfg, run_dir = roles_run
+    spec = warmup_spec(cfg, run_dir)
+    assert spec.sources == WARMUP
+    assert {ex.source for ex in BranchData.for_branch(spec, processor).examples} == set(WARMUP)
+    plain = small_config(ROLES[0])  # no warmup.sources: the warm-up trains on the fine-tuning data
+    prepare_data(plain, tmp_path, processor)
+    assert warmup_spec(plain, tmp_path).sources == FINETUNE
+
+
+def test_warmup_and_eval_sources_are_in_the_prepare_digest():
+    base = small_config(*ROLES)
+    assert data_digest(base) == data_digest(small_config(*ROLES, "warmup.steps=5", "eval.batch_size=2"))
+    assert data_digest(base) != data_digest(small_config(*ROLES, "warmup.sources.0.max_examples=5"))
+    assert data_digest(base) != data_digest(small_config(*ROLES, "eval.sources.1.role=unseen"))
+    assert data_digest(base) != data_digest(small_config(ROLES[0]))

@@ -171,7 +171,8 @@ def mean_loss(model: str) -> float:
 def test_full_report(full_run: Path):
     report = build_report(full_run)
     assert report == json.loads((full_run / "report" / "report.json").read_text())
-    assert set(report) == {"run", "models", "branches", "budget", "split", "costs", "headline", "plots", "tables"}
+    keys = {"run", "models", "branches", "budget", "split", "costs", "headline", "quality", "plots", "tables"}
+    assert set(report) == keys  # no "controls": this run has none
     assert report["run"]["name"] == load_config(full_run / "config.yaml").run.name
     assert report["run"]["config_digest"] == load_config(full_run / "config.yaml").digest()
     assert report["run"]["dropped_sources"] == ["broken"]
@@ -243,7 +244,19 @@ def test_full_report(full_run: Path):
         "seed": 0,
     }
 
-    own = ["heldout_loss.png", "per_source.png", "training_curves.png"]
+    quality = report["quality"]  # without controls: θ0, joint and MERIT's merges
+    assert [(r["model"], r["split"]) for r in quality["rows"]] == [
+        ("theta0", "—"),
+        ("joint", "—"),
+        ("avg: weighted_average", "MERIT-2"),
+        ("iso: iso_c (scale 1.0)", "MERIT-2"),
+    ]
+    assert [r["loss"] for r in quality["rows"]] == pytest.approx(
+        [mean_loss(m) for m in ("theta0", "joint", "merged-avg", "merged-iso")]
+    )
+    assert quality["verdict"] == "MERIT-2 beats the joint baseline for 0 of 2."
+
+    own = ["heldout_loss.png", "per_source.png", "training_curves.png", "quality.png"]
     assert report["plots"] == [*own, "../calibration/conflicts.png", "../branches/0/loss.png"]  # relative to report/
     for path in report["plots"]:
         assert (full_run / "report" / path).is_file()

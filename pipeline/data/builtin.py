@@ -1,15 +1,30 @@
 """The built-in multi-source corpus: generated on the fly, deterministic by seed, no downloads.
 
 Each *family* draws an input (a procedural image and a question, or a text question) and the
-facts behind it; each *source* is a family plus an answer convention. Sources of one family
-see exactly the same inputs (the draw is seeded by family and index, not by source), so two
-sources with opposite conventions are a real conflict: same input, different target. Those
-pairs are listed in :data:`CONFLICTS` and are what a conflict-aware split must separate.
+facts behind it; each *source* is a family plus an answer convention, and optionally a cue: its
+own instruction, which replaces or extends the family's question. Sources come in three suites
+(:data:`SUITES`):
 
-The second source of every pair also answers in full sentences ("The answer is three.") where
-the first answers tersely ("3"), like VQA-style short-answer datasets against conversational
-ones, the classic conflict of multi-dataset instruction tuning. The shared style gives the five
-pairs one common conflict axis, on top of each pair's own convention.
+- ``finetune``: what the branches train on. Sources of one family see exactly the same inputs
+  (the draw is seeded by family and index, not by source), so two sources with opposite
+  conventions conflict. Those pairs are listed in :data:`CONFLICTS` and are what a
+  conflict-aware split must separate. With ``conflicts: cued`` (the default) each source of a
+  pair has its own instruction ("What colour is the shape? Answer with one word." against "What
+  is the complementary colour of the shape? Answer in a full sentence."): one model can satisfy
+  both, and the conflict lives in the parameters they share. With ``conflicts: contradictory``
+  both ask the same question and want different answers, which no single model can satisfy.
+  The second source of every pair also answers in full sentences ("The answer is three.") where
+  the first answers tersely ("3"), like VQA-style short-answer datasets against conversational
+  ones, the classic conflict of multi-dataset instruction tuning: one common style axis across
+  the five pairs, on top of each pair's own convention.
+- ``warmup``: one skill per family, the plain question and a short answer: what a warm-up
+  teaches θ0 (the toy's pre-training) before fine-tuning changes conventions and formats.
+- ``unseen``: instruction and task combinations the fine-tuning suite never trains, to measure
+  generalisation.
+
+The warm-up and unseen suites draw their inputs in a namespace of their own, so none of their
+examples is a fine-tuning example (only the chance repeats of a small space remain: 20 words,
+100 sums).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple, get_args
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -128,7 +143,8 @@ def _font(size: int) -> ImageFont.ImageFont:
 
 
 # --- families: (rng, image size) -> (scene or None, question, facts) -------------------------
-Draw = tuple[Scene | None, str, dict[str, Any]]
+Facts = dict[str, Any]
+Draw = tuple[Scene | None, str, Facts]
 
 
 def _one_shape(
@@ -237,34 +253,92 @@ FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "upper": _upper,
 }
 
+
 _OTHER_SIDE = {"left": "right", "right": "left"}
 
+# The short answer to each family's question: the warm-up skills' and the pairs' terse side.
+SHORT: dict[str, Callable[[Facts], str]] = {
+    "colour": lambda f: f["colour"],
+    "shape": lambda f: f["kind"],
+    "count": lambda f: str(f["n"]),
+    "side": lambda f: f["side"],
+    "colour_check": lambda f: "yes" if f["match"] else "no",
+    "vertical": lambda f: f["where"],
+    "read_word": lambda f: f["word"],
+    "caption": lambda f: f"A {f['size']} {f['colour']} {f['kind']} on the {f['side']}.",
+    "bigger": lambda f: f["side"],
+    "add": lambda f: str(f["value"]),
+    "subtract": lambda f: str(f["value"]),
+    "reverse": lambda f: f["word"][::-1],
+    "upper": lambda f: f["word"].upper(),
+}
 
-def _sentence(answer: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+
+def _sentence(answer: Callable[[Facts], str]) -> Callable[[Facts], str]:
     return lambda facts: f"The answer is {answer(facts)}."
 
 
-# source name -> (family, answer convention)
-SOURCES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
-    "colour_name": ("colour", lambda f: f["colour"]),
-    "colour_complement": ("colour", _sentence(lambda f: COMPLEMENT[f["colour"]])),
-    "shape_name": ("shape", lambda f: f["kind"]),
-    "count_digits": ("count", lambda f: str(f["n"])),
-    "count_words": ("count", _sentence(lambda f: NUMBER_WORDS[f["n"]])),
-    "side_left_right": ("side", lambda f: f["side"]),
-    "side_mirrored": ("side", _sentence(lambda f: _OTHER_SIDE[f["side"]])),
-    "colour_yes_no": ("colour_check", lambda f: "yes" if f["match"] else "no"),
-    "colour_yes_no_flipped": ("colour_check", _sentence(lambda f: "no" if f["match"] else "yes")),
-    "vertical_position": ("vertical", lambda f: f["where"]),
-    "read_word": ("read_word", lambda f: f["word"]),
-    "caption": ("caption", lambda f: f"A {f['size']} {f['colour']} {f['kind']} on the {f['side']}."),
-    "bigger_side": ("bigger", lambda f: f["side"]),
-    "add_digits": ("add", lambda f: str(f["value"])),
-    "add_words": ("add", _sentence(lambda f: NUMBER_WORDS[f["value"]])),
-    "subtract": ("subtract", lambda f: str(f["value"])),
-    "reverse_word": ("reverse", lambda f: f["word"][::-1]),
-    "uppercase": ("upper", lambda f: f["word"].upper()),
+def _in_words(key: str) -> Callable[[Facts], str]:
+    return _sentence(lambda f: NUMBER_WORDS[f[key]])
+
+
+def _complement(facts: Facts) -> str:
+    return COMPLEMENT[facts["colour"]]
+
+
+# Cues: the question a source asks, "{question}" standing for its family's.
+WORD = "{question} Answer with one word."
+DIGITS = "{question} Answer with digits."
+SENTENCE = "{question} Answer in a full sentence."
+IN_WORDS = "{question} Answer in a full sentence, with the number in words."
+COMPLEMENT_QUESTION = "What is the complementary colour of the shape?"
+
+
+class Source(NamedTuple):
+    family: str
+    answer: Callable[[Facts], str]
+    cue: str | None = None  # None: the family's question as it is
+
+
+_FINETUNE = {
+    "colour_name": Source("colour", SHORT["colour"], WORD),
+    "colour_complement": Source("colour", _sentence(_complement), SENTENCE.format(question=COMPLEMENT_QUESTION)),
+    "shape_name": Source("shape", SHORT["shape"]),
+    "count_digits": Source("count", SHORT["count"], DIGITS),
+    "count_words": Source("count", _in_words("n"), IN_WORDS),
+    "side_left_right": Source("side", SHORT["side"], WORD),
+    "side_mirrored": Source(
+        "side",
+        _sentence(lambda f: _OTHER_SIDE[f["side"]]),
+        SENTENCE.format(question="In a mirror, would the shape be on the left or the right?"),
+    ),
+    "colour_yes_no": Source("colour_check", SHORT["colour_check"], "{question} Answer yes or no."),
+    "colour_yes_no_flipped": Source(
+        "colour_check",
+        _sentence(lambda f: "no" if f["match"] else "yes"),
+        "{question} Answer the opposite of the truth, in a full sentence.",
+    ),
+    "vertical_position": Source("vertical", SHORT["vertical"]),
+    "read_word": Source("read_word", SHORT["read_word"]),
+    "caption": Source("caption", SHORT["caption"]),
+    "bigger_side": Source("bigger", SHORT["bigger"]),
+    "add_digits": Source("add", SHORT["add"], DIGITS),
+    "add_words": Source("add", _in_words("value"), IN_WORDS),
+    "subtract": Source("subtract", SHORT["subtract"]),
+    "reverse_word": Source("reverse", SHORT["reverse"]),
+    "uppercase": Source("upper", SHORT["upper"]),
 }
+_WARMUP = {f"skill_{family}": Source(family, answer) for family, answer in SHORT.items()}
+_UNSEEN = {  # each a task the fine-tuning suite trains, with an instruction it never pairs with that task
+    "unseen_shape_sentence": Source("shape", _sentence(SHORT["shape"]), SENTENCE),
+    "unseen_vertical_sentence": Source("vertical", _sentence(SHORT["vertical"]), SENTENCE),
+    "unseen_read_sentence": Source("read_word", _sentence(SHORT["read_word"]), SENTENCE),
+    "unseen_subtract_words": Source("subtract", _in_words("value"), IN_WORDS),
+    "unseen_complement_word": Source("colour", _complement, WORD.format(question=COMPLEMENT_QUESTION)),
+}
+SUITES: dict[str, list[str]] = {"finetune": list(_FINETUNE), "warmup": list(_WARMUP), "unseen": list(_UNSEEN)}
+SOURCES: dict[str, Source] = _FINETUNE | _WARMUP | _UNSEEN
+_SUITE_OF = {name: suite for suite, names in SUITES.items() for name in names}
 
 # Pairs built to conflict: same family (same inputs), opposite answer conventions.
 CONFLICTS: tuple[tuple[str, str], ...] = (
@@ -274,12 +348,26 @@ CONFLICTS: tuple[tuple[str, str], ...] = (
     ("colour_yes_no", "colour_yes_no_flipped"),
     ("add_digits", "add_words"),
 )
+_PAIRED = {name for pair in CONFLICTS for name in pair}
+CONFLICT_KINDS: tuple[str, ...] = get_args(BuiltinSection.model_fields["conflicts"].annotation)
 
 
-def make_example(source: str, index: int, seed: int, image_size: int) -> Example:
-    family, answer = SOURCES[source]
-    rng = random.Random(f"{seed}/{family}/{index}")
-    scene, question, facts = FAMILIES[family](rng, image_size)
+def draw(source: str, index: int, seed: int, image_size: int) -> Draw:
+    """The input and facts of one example. Fine-tuning sources draw by family and index, so a
+    pair shares its inputs; the other suites draw in a namespace of their own, so that they never
+    see the fine-tuning inputs (a warm-up would otherwise pre-train on the branches' examples)."""
+    family, suite = SOURCES[source].family, _SUITE_OF[source]
+    namespace = family if suite == "finetune" else f"{suite}/{family}"
+    return FAMILIES[family](random.Random(f"{seed}/{namespace}/{index}"), image_size)
+
+
+def make_example(source: str, index: int, seed: int, image_size: int, conflicts: str = "cued") -> Example:
+    """Example ``index`` of a built-in source; ``conflicts`` is the kind of the fine-tuning pairs
+    (``data.builtin.conflicts``): contradictory pairs ask their family's question uncued."""
+    _, answer, cue = SOURCES[source]
+    scene, question, facts = draw(source, index, seed, image_size)
+    if cue and (conflicts == "cued" or source not in _PAIRED):
+        question = cue.format(question=question)
     user = [{"type": "image"}] if scene else []
     user.append({"type": "text", "text": question})
     messages = [
@@ -289,23 +377,29 @@ def make_example(source: str, index: int, seed: int, image_size: int) -> Example
     return Example(source, index, f"builtin:{source}", messages, [scene] if scene else [])
 
 
-def generate(tasks: list[str] | None, cfg: BuiltinSection, seed: int) -> dict[str, list[Example]]:
-    """All (or the selected) built-in sources, ``cfg.examples_per_source`` examples each."""
-    names = tasks or list(SOURCES)
+def generate(
+    tasks: list[str] | None, cfg: BuiltinSection, seed: int, suite: str = "finetune"
+) -> dict[str, list[Example]]:
+    """The sources of a suite (or the named built-in sources, of any suite),
+    ``cfg.examples_per_source`` examples each."""
+    names = tasks or SUITES[suite]
     unknown = sorted(set(names) - set(SOURCES))
     if unknown:
         raise ValueError(f"unknown built-in tasks {unknown}; known: {sorted(SOURCES)}")
     return {
-        name: [make_example(name, i, seed, cfg.image_size) for i in range(cfg.examples_per_source)] for name in names
+        name: [make_example(name, i, seed, cfg.image_size, cfg.conflicts) for i in range(cfg.examples_per_source)]
+        for name in names
     }
 
 
 def corpus_text(seed: int, per_source: int = 64) -> Iterator[str]:
-    """Text the offline tokenizer is trained on: built-in questions and answers plus the
-    vocabulary every answer convention uses, independent of the data config."""
+    """Text the offline tokenizer is trained on: the questions and answers of every suite in
+    both kinds of conflict, plus the vocabulary every answer convention uses, independent of
+    the data config (one tokenizer serves every corpus)."""
     yield " ".join([*COLOURS, *SHAPES, *NUMBER_WORDS, *WORDS, *(w.upper() for w in WORDS), "The answer is"])
-    for source in SOURCES:
-        for i in range(per_source):
-            example = make_example(source, i, seed, image_size=28)
-            for message in example.messages:
-                yield from (c["text"] for c in message["content"] if c["type"] == "text")
+    for conflicts in CONFLICT_KINDS:
+        for source in SOURCES:
+            for i in range(per_source):
+                example = make_example(source, i, seed, image_size=28, conflicts=conflicts)
+                for message in example.messages:
+                    yield from (c["text"] for c in message["content"] if c["type"] == "text")

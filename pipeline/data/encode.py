@@ -69,9 +69,7 @@ class Encoder:
         on small inputs, so batching is what keeps encoding ahead of training."""
         if examples and all(ex.token_ids is not None for ex in examples):
             return self._encode_cached(examples)
-        messages = [self._with_images(ex) for ex in examples]
-        texts = [self.processor.apply_chat_template(m, tokenize=False) for m in messages]
-        images = [process_vision_info(m)[0] or [] for m in messages]
+        texts, images = self.render(examples)
         try:
             batch = self.processor(
                 text=texts, images=list(itertools.chain(*images)) or None, padding=True, return_tensors="pt"
@@ -86,6 +84,16 @@ class Encoder:
         rows = [batch["input_ids"][r][batch["attention_mask"][r].bool()] for r in range(len(examples))]
         out = self._assemble(rows, [len(i) for i in images], batch.get("pixel_values"), batch.get("image_grid_thw"))
         return [self._truncate(enc) if enc.num_tokens > self.max_length else enc for enc in out]
+
+    def render(self, examples: list[Example], generation_prompt: bool = False) -> tuple[list[str], list[list[Any]]]:
+        """Each example's chat-template text and its images, sized for the processor; with
+        ``generation_prompt`` the text ends in the assistant header that asks for a reply."""
+        messages = [self._with_images(ex) for ex in examples]
+        texts = [
+            self.processor.apply_chat_template(m, tokenize=False, add_generation_prompt=generation_prompt)
+            for m in messages
+        ]
+        return texts, [process_vision_info(m)[0] or [] for m in messages]
 
     def _encode_cached(self, examples: list[Example]) -> list[Encoded]:
         rows = [ex.token_ids.long() for ex in examples]

@@ -1,15 +1,18 @@
 """The ``prepare`` stage: load every source, hold out a seeded split, encode everything once to
 count tokens (and surface every bad record before any training starts), write the manifest.
 
-``data/manifest.json`` per source: format, examples, held-out indices, train/held-out tokens,
-supervised tokens, truncated and skipped counts. Train tokens are the token-weighted merge's
-weights and the split planner's balance. The token ids themselves are kept in
-``data/tokens/<n>.safetensors`` (concatenated ids + offsets) so that later stages encode only
-images; :func:`load_split` attaches them to the examples it returns.
+``data/manifest.json`` per source: role (``finetune``, ``warmup``, ``unseen`` or ``retention``,
+see :mod:`pipeline.data.sources`), format, examples, held-out indices, train/held-out tokens,
+supervised tokens, truncated and skipped counts. Eval-only sources (unseen, retention) are held
+out whole: they never train. Train tokens are the token-weighted merge's weights and the split
+planner's balance. The token ids themselves are kept in ``data/tokens/<n>.safetensors``
+(concatenated ids + offsets) so that later stages encode only images; :func:`load_split`
+attaches them to the examples it returns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -23,7 +26,7 @@ from pipeline.checkpoint import write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data.encode import Encoder
 from pipeline.data.example import DataError, Example
-from pipeline.data.sources import load_sources
+from pipeline.data.sources import EVAL_ROLES, LoadedSources, load_sources
 
 MANIFEST_PATH = Path("data") / "manifest.json"
 TOKENS_DIR = Path("data") / "tokens"
@@ -40,25 +43,35 @@ def heldout_indices(n: int, fraction: float, seed: int, source: str) -> list[int
     return sorted(random.Random(f"{seed}/heldout/{source}").sample(range(n), k))
 
 
+def data_digest(cfg: RunConfig) -> str:
+    """What the prepared data depends on: the seed (it draws the built-in corpus and the split),
+    the data and model (the processor) sections, and the warm-up and eval sources."""
+    lists = [[spec.model_dump(mode="json") for spec in specs] for specs in (cfg.warmup.sources or [], cfg.eval.sources)]
+    return hashlib.sha256(json.dumps([cfg.digest("run", "data", "model"), lists]).encode()).hexdigest()[:16]
+
+
+def _load(cfg: RunConfig) -> LoadedSources:
+    return load_sources(cfg.data, cfg.run.seed, cfg.warmup.sources, cfg.eval.sources)
+
+
 def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool = False) -> dict[str, Any]:
-    """Write ``run_dir/data/manifest.json``; reuse it when the data and model sections match."""
+    """Write ``run_dir/data/manifest.json``; reuse it when the data it depends on is unchanged."""
     path = Path(run_dir) / MANIFEST_PATH
-    digest = cfg.digest("run", "data", "model")  # the seed draws the built-in corpus and the split
+    digest = data_digest(cfg)
     if path.is_file() and not force:
         manifest = json.loads(path.read_text())
         if manifest.get("config_digest") == digest:
             return manifest
-    loaded = load_sources(cfg.data, cfg.run.seed)
+    loaded = _load(cfg)
     encoder = Encoder(processor, cfg.data.max_length)
     total = sum(len(v) for v in loaded.examples.values())
     sources = {}
     with tqdm(total=total, desc="prepare: encoding", unit="ex", leave=False) as bar:
         for number, (name, examples) in enumerate(loaded.examples.items()):
-            fraction = loaded.entries[name].heldout_fraction
-            fraction = cfg.data.heldout_fraction if fraction is None else fraction
-            heldout = heldout_indices(len(examples), fraction, cfg.run.seed, name)
+            heldout = _heldout(cfg, loaded, name)
             tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
             sources[name] = _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file) | {
+                "role": loaded.roles[name],
                 "tokens_file": str(tokens_file),
                 "format": loaded.formats[name],
                 "origin": examples[0].origin,
@@ -68,10 +81,24 @@ def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: boo
             }
     for name, reasons in loaded.skipped.items():  # sources dropped whole (empty after skipping)
         if name not in sources:
-            sources[name] = {"dropped": True, "skipped": len(reasons), "skipped_reasons": reasons[:SKIPPED_SHOWN]}
+            sources[name] = {
+                "role": loaded.roles[name],
+                "dropped": True,
+                "skipped": len(reasons),
+                "skipped_reasons": reasons[:SKIPPED_SHOWN],
+            }
     manifest = {"config_digest": digest, "max_length": cfg.data.max_length, "sources": sources}
     write_json_atomic(path, manifest)
     return manifest
+
+
+def _heldout(cfg: RunConfig, loaded: LoadedSources, name: str) -> list[int]:
+    """A source's held-out positions: all of an eval-only source's, else the seeded split."""
+    n = len(loaded.examples[name])
+    if loaded.roles[name] in EVAL_ROLES:
+        return list(range(n))
+    fraction = loaded.entries[name].heldout_fraction
+    return heldout_indices(n, cfg.data.heldout_fraction if fraction is None else fraction, cfg.run.seed, name)
 
 
 def _encode_source(
@@ -141,24 +168,30 @@ def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def active_sources(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: info for name, info in manifest["sources"].items() if not info.get("dropped")}
+def active_sources(manifest: dict[str, Any], role: str | None = "finetune") -> dict[str, dict[str, Any]]:
+    """The prepared sources that were not dropped, of one role (None: of every role). A manifest
+    written before roles existed holds fine-tuning sources only."""
+    return {
+        name: info
+        for name, info in manifest["sources"].items()
+        if not info.get("dropped") and role in (None, info.get("role", "finetune"))
+    }
 
 
 def load_split(
     cfg: RunConfig, run_dir: str | Path, split: str, sources: list[str] | None = None
 ) -> dict[str, list[Example]]:
-    """The ``train`` or ``heldout`` examples of each (or the named) source, as prepared, with
-    their cached token ids attached."""
+    """The ``train`` or ``heldout`` examples of each fine-tuning source (or of the named sources,
+    of any role), as prepared, with their cached token ids attached."""
     manifest = read_manifest(run_dir)
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    known = active_sources(manifest)
-    wanted = sources or list(known)
+    known = active_sources(manifest, role=None)
+    wanted = sources or list(active_sources(manifest))
     unknown = sorted(set(wanted) - set(known))
     if unknown:
         raise ValueError(f"unknown sources {unknown}; prepared: {sorted(known)}")
-    loaded = load_sources(cfg.data, cfg.run.seed)
+    loaded = _load(cfg)
     out = {}
     for name in wanted:
         held = set(known[name]["heldout_indices"])

@@ -1,4 +1,8 @@
-"""Config source entries -> named sources of :class:`Example`, with the bad-record policy applied."""
+"""Config source entries -> named sources of :class:`Example`, with the bad-record policy applied.
+
+Each source has a role, from the config list that names it: ``finetune`` (``data.sources``: the
+branches' data), ``warmup`` (``warmup.sources``: the data that makes θ0) or, for ``eval.sources``,
+the entry's own role (``unseen`` or ``retention``: evaluated, never trained on)."""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pipeline.config import DataSection, SourceSpec
+from pipeline.config import DataSection, EvalSourceSpec, SourceSpec
 from pipeline.data import builtin
 from pipeline.data.example import DataError, Example
 from pipeline.data.formats import RecordParser, read_hf_disk_records, read_json_records, read_jsonl_records
+
+EVAL_ROLES: tuple[str, ...] = get_args(EvalSourceSpec.model_fields["role"].annotation)  # never trained on
 
 
 @dataclass
@@ -19,6 +25,7 @@ class LoadedSources:
     examples: dict[str, list[Example]] = field(default_factory=dict)
     formats: dict[str, str] = field(default_factory=dict)
     entries: dict[str, SourceSpec] = field(default_factory=dict)  # the config entry of each source
+    roles: dict[str, str] = field(default_factory=dict)  # also of the sources dropped whole
     skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source -> reasons
 
     def add(self, name: str, spec: SourceSpec, examples: list[Example]) -> None:
@@ -50,23 +57,37 @@ class _Policy:
         self.loaded.skipped[source].append(str(err))
 
 
-def load_sources(data: DataSection, seed: int) -> LoadedSources:
+def load_sources(
+    data: DataSection, seed: int, warmup: list[SourceSpec] | None = None, evaluated: list[EvalSourceSpec] = ()
+) -> LoadedSources:
+    """The sources of ``data.sources`` and of the run's ``warmup.sources`` and ``eval.sources``
+    (``warmup`` and ``evaluated``), each with its role; every list given must yield a source."""
     loaded = LoadedSources()
     policy = _Policy(data.on_bad_record, loaded)
-    for spec in data.sources:
-        for name, examples in _load_entry(spec, data, seed, policy).items():
-            if not examples:
-                policy.reject(name, DataError(spec.path or f"builtin:{name}", None, f"source '{name}' has no examples"))
-                continue
-            loaded.add(name, spec, examples)
-    if not loaded.examples:
-        raise DataError("config data.sources", None, "no source has any example")
+    lists = {
+        "data.sources": [(spec, "finetune") for spec in data.sources],
+        "warmup.sources": [(spec, "warmup") for spec in warmup or []],
+        "eval.sources": [(spec, spec.role) for spec in evaluated],
+    }
+    for where, entries in lists.items():
+        before = len(loaded.examples)
+        for spec, role in entries:
+            generated = _load_entry(spec, data, seed, policy)
+            loaded.roles |= dict.fromkeys([spec.name, *generated], role)  # spec.name: its records' skips
+            for name, examples in generated.items():
+                if not examples:
+                    origin = spec.path or f"builtin:{name}"
+                    policy.reject(name, DataError(origin, None, f"source '{name}' has no examples"))
+                    continue
+                loaded.add(name, spec, examples)
+        if (entries or where == "data.sources") and len(loaded.examples) == before:
+            raise DataError(f"config {where}", None, "no source has any example")
     return loaded
 
 
 def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy) -> dict[str, list[Example]]:
     if spec.format == "builtin":
-        generated = builtin.generate(spec.tasks, data.builtin, seed)
+        generated = builtin.generate(spec.tasks, data.builtin, seed, spec.suite)
         return {name: examples[: spec.max_examples] for name, examples in generated.items()}
     path = Path(spec.path)
     if not path.exists():

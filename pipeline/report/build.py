@@ -27,12 +27,14 @@ from pipeline.checkpoint import (
 )
 from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
+from pipeline.controls import controls_of
 from pipeline.data.prepare import active_sources
 from pipeline.data.prepare import read_manifest as read_data_manifest
 from pipeline.layout import (
     BRANCHES,
     CALIBRATION,
     CONFIG,
+    DIAGNOSTICS,
     EVAL,
     JOINT,
     MERGED,
@@ -42,7 +44,8 @@ from pipeline.layout import (
     model_paths,
 )
 from pipeline.report.diloco import diloco_section
-from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_training_curves
+from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_quality, plot_training_curves
+from pipeline.report.quality import quality_section
 
 KINDS = ("theta0", "branch", "joint", "merged", "diloco")  # the models' fixed order; a model's kind is its name prefix
 MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
@@ -52,7 +55,11 @@ PLOT_FILES = {
     "per_source.png": "per-source loss against θ0",
     "training_curves.png": "training curves",
     "diloco.png": "DiLoCo rounds",
+    "quality.png": "merges on MERIT's split and the controls'",
 }  # the report's own PNGs and their alt texts
+
+
+MODEL_FIGURES = ("loss", "macro_loss", "token_accuracy", "accuracy", "roles")  # of an evaluation, in the report
 
 
 def build_report(run_dir: str | Path) -> dict[str, Any]:
@@ -106,11 +113,28 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     others += [
         str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()
     ]
+    controls = {
+        name: _models(load_config(folder / CONFIG), folder) for name, folder in controls_of(cfg, run_dir).items()
+    }
+    diagnostics = {"merit": _read_json(run_dir / EVAL / DIAGNOSTICS)}
+    diagnostics |= {name: _read_json(folder / EVAL / DIAGNOSTICS) for name, folder in controls_of(cfg, run_dir).items()}
+    quality = quality_section(cfg, models, controls, diagnostics)
+    if quality:
+        report["quality"] = {k: quality[k] for k in ("rows", "verdict", "differences", "barriers")}
+        if controls:
+            report["controls"] = {
+                name: [_pick(m, "name", "loss", "accuracy", "roles") for m in ms] for name, ms in controls.items()
+            }
+        own.append(plot_quality(quality["rows"], out / "quality.png"))
     if diloco := diloco_section(run_dir, out, models):
         report["diloco"] = {k: diloco[k] for k in ("rows", "notes")}
         own.append(diloco["plot"])
     report["plots"] = own + [f"../{p}" for p in others]  # relative to report/, as report.md links them
-    report["tables"] = _tables(models, sources, branches, split) | ({"diloco": diloco["table"]} if diloco else {})
+    report["tables"] = (
+        ({"quality": quality["table"]} if quality else {})
+        | _tables(models, sources, branches, split)
+        | ({"diloco": diloco["table"]} if diloco else {})
+    )
 
     _write_text_atomic(out / "report.md", _markdown(report, own, others))
     write_json_atomic(out / "report.json", report)  # last: its presence means the report is whole
@@ -175,7 +199,7 @@ def _models(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
                 "name": path.stem,
                 "kind": "diloco" if name in finals else model_kind(name),
                 "checkpoint": result.get("checkpoint"),
-                **_pick(result, "loss", "macro_loss", "token_accuracy", "seconds"),
+                **_pick(result, *MODEL_FIGURES, "seconds"),
                 "sources": result.get("sources", {}),
             }
         )
@@ -404,6 +428,8 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         lines.extend(["", f"## {title}", ""])
         lines.append("\n\n".join(b for b in blocks if b))
 
+    figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
+
     if head := report.get("headline"):
         refs = {"vs_joint": "the joint baseline", "vs_theta0": "θ0"}
         against = [
@@ -417,10 +443,27 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             + ("; ".join(against) or "no joint baseline or θ0 evaluated")
             + ".",
         )
+    if quality := report.get("quality"):
+        barriers = ", ".join(f"{split} {b:.4f}" for split, b in quality["barriers"].items())
+        section(
+            "Did the split pay off?",
+            quality["verdict"],
+            "\n".join(f"- {line}" for line in quality["differences"]),
+            figure.get("quality.png", ""),
+            markdown_table(**tables["quality"]),
+            "Accuracy: exact match of the greedy answer (case, spacing and end punctuation aside), macro-averaged "
+            "over the sources of each role: trained (held-out examples of the fine-tuning sources), unseen "
+            "(eval.sources never trained on), retention (what θ0 learned in its warm-up or eval.sources it could "
+            "already do). Distance: of the merged weights from θ0, relative to θ0's norm."
+            + (
+                f" Loss barrier on the straight line between the branches (mean over pairs): {barriers}."
+                if barriers
+                else ""
+            ),
+        )
     if problems := report.get("problems"):
         intro = "Checkpoints of this run that exist but do not verify (left out of the evaluation):"
         section("Problems", intro, "\n".join(f"- {p}" for p in problems))
-    figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
     if "models" in tables:
         section("Models", figure.get("heldout_loss.png", ""), markdown_table(**tables["models"]))
     if "per_source" in tables:

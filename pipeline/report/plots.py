@@ -1,4 +1,5 @@
-"""The report's plots, as PNGs: held-out loss per model, per-source change against θ0, training curves."""
+"""The report's plots, as PNGs: held-out loss per model, per-source change against θ0, training curves,
+merges on MERIT's split against the controls'."""
 
 from __future__ import annotations
 
@@ -71,6 +72,30 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
     ax.grid(alpha=0.3)
     ax.set_title("Training loss")
     return _save(fig, path)
+
+
+def plot_quality(rows: list[dict], path: Path) -> str:
+    """Per merge, MERIT's split beside each control's: held-out loss, then accuracy per role;
+    θ0 and the joint baseline as reference lines. Returns the file name, as the report links it."""
+    merges = list(dict.fromkeys(r["merge"] for r in rows if "merge" in r))
+    splits = list(dict.fromkeys(r["split"] for r in rows if "merge" in r))
+    refs = {r["model"]: r for r in rows if "merge" not in r}
+    metrics = ["loss"] + [k for k in ("accuracy_trained", "accuracy_unseen", "accuracy_retention") if k in rows[-1]]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
+    width = 0.8 / len(splits)
+    for ax, metric in zip(axes[0], metrics):
+        for i, split in enumerate(splits):
+            got = {r["merge"]: r.get(metric) for r in rows if r.get("split") == split and "merge" in r}
+            values = [got.get(m) if got.get(m) is not None else np.nan for m in merges]
+            ax.bar(np.arange(len(merges)) + (i - (len(splits) - 1) / 2) * width, values, width, label=split)
+        for (name, ref), style in zip(refs.items(), (":", "--")):
+            if ref.get(metric) is not None:
+                ax.axhline(ref[metric], color="black", ls=style, lw=1, label=name)
+        ax.set_xticks(range(len(merges)), merges, rotation=30, ha="right", fontsize=8)
+        ax.set_title(metric.replace("_", ", ") + (" (lower is better)" if metric == "loss" else ""), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, path).name
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:

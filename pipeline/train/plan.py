@@ -18,19 +18,21 @@ def _spec(
     return BranchSpec(name=name, run_dir=str(run_dir), init=init, sources=sources, out_dir=str(out), config=config)
 
 
-def all_sources(run_dir: str | Path) -> list[str]:
-    return list(active_sources(read_manifest(run_dir)))
+def all_sources(run_dir: str | Path, role: str = "finetune") -> list[str]:
+    """The prepared sources of a role: by default the fine-tuning sources, all the branches see."""
+    return list(active_sources(read_manifest(run_dir), role))
 
 
 def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
-    """The joint warm-up from the base model on every source; its ``final/`` is θ0."""
+    """The joint warm-up from the base model on every ``warmup.sources`` source (by default on
+    every fine-tuning source); its ``final/`` is θ0."""
     w = cfg.warmup
     return _spec(
         cfg,
         run_dir,
         WARMUP,
         base_path(cfg, run_dir),
-        all_sources(run_dir),
+        all_sources(run_dir, "warmup" if w.sources else "finetune"),
         Path(run_dir) / WARMUP,
         steps=w.steps,
         lr=w.lr or cfg.train.lr,

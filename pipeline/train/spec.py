@@ -13,8 +13,10 @@ from pipeline.config import RunConfig, TrainSection
 from pipeline.data.prepare import active_sources, read_manifest
 from pipeline.hub import ModelNotFoundError, check_model_folder
 
-# Settings that change no number the branch computes: they may differ on a resumed run.
-NOT_IN_DIGEST = {"timeout_s", "checkpoint_every", "loader_workers", "gradient_checkpointing"}
+# Settings that change no number the branch computes: they may differ on a resumed run. ``epochs``
+# is in the digest as the steps it was turned into (a warm-up of fixed steps is the same whatever
+# the branches' epochs).
+NOT_IN_DIGEST = {"timeout_s", "checkpoint_every", "loader_workers", "gradient_checkpointing", "epochs"}
 
 
 class BranchSpec(BaseModel):
@@ -44,7 +46,7 @@ class BranchSpec(BaseModel):
 
     def examples(self) -> int:
         """The branch's training examples, as prepared."""
-        known = active_sources(read_manifest(self.run_dir))
+        known = active_sources(read_manifest(self.run_dir), role=None)  # any role: the warm-up may train on its own
         total = sum(known[s]["train_examples"] for s in self.sources if s in known)
         return len(range(self.shard[0], total, self.shard[1])) if self.shard else total
 
@@ -64,7 +66,7 @@ class BranchSpec(BaseModel):
 
     def validate_inputs(self) -> None:
         """Everything that can be checked before launching processes: fail in seconds, not later."""
-        known = active_sources(read_manifest(self.run_dir))
+        known = active_sources(read_manifest(self.run_dir), role=None)
         unknown = sorted(set(self.sources) - set(known))
         if self.shard and not 0 <= self.shard[0] < self.shard[1]:
             raise ValueError(f"branch {self.name}: shard {self.shard[0]} of {self.shard[1]} does not exist")
