@@ -102,10 +102,12 @@ def train_branches(cfg: RunConfig, run_dir: str, jobs: list[Job], progress_key: 
 
 
 def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
-    """Evaluate every model of the run and of its controls, their diagnostics, then the report."""
+    """Evaluate every model of the run and of its controls, their diagnostics, then the report.
+    A control's θ0 is the run's (linked): evaluated once, with the run."""
     for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
         for model, checkpoint in run_models(tasks.run_config(where), where).items():
-            tasks.evaluate(where, model, checkpoint)
+            if where == run_dir or model != "theta0":
+                tasks.evaluate(where, model, checkpoint)
         tasks.diagnose(where)
     done = report(run_dir, cfg.run.name)
     get_run_logger().info(f"report: {done['report']}")

@@ -109,6 +109,11 @@ class SourceSpec(Section):
         return self
 
 
+# The role of a source in an evaluation: fine-tuned on, or an ``eval.sources`` role (the warm-up's
+# sources count as retention). Per role, the results give a loss and an accuracy.
+EVALUATED_ROLES = ("trained", "unseen", "retention")
+
+
 class EvalSourceSpec(SourceSpec):
     """A source that is evaluated (all of its examples) and never trained on: ``unseen`` measures
     generalisation to new tasks and instructions, ``retention`` what θ0 could do before fine-tuning."""

@@ -40,6 +40,11 @@ def test_cases_share_theta0_only_where_it_is_the_same():
     assert cases["lr-3e-4"].base == "cued-s0"  # the same θ0: linked
     assert cases["warmup-1000"].base is None and cases["width-256"].base is None  # θ0 remade
     assert all("flow.controls=[random]" in c.overrides for c in cases.values())
+    # Without warmup.lr the warm-up trains at train.lr: a learning-rate level makes its own θ0.
+    args = build_parser().parse_args(bench_args(Path("w"), "--k", "4", "--set", "warmup.lr=null"))
+    cases = {c.name: c for c in plan_cases(args)}
+    assert cases["lr-3e-4"].base is None and cases["epochs-2"].base == "cued-s0"
+    assert cases["width-128"].labels["K"] == 4 and "calibration.r=2" in cases["width-128"].overrides
 
 
 def test_aggregate_is_mean_and_sample_std_over_seeds():

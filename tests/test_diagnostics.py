@@ -3,6 +3,7 @@
 distance from θ0 against torch's own norm, and diagnostics.json written and reused."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -117,6 +118,11 @@ def test_diagnose_writes_and_reuses_its_json(run, branches, monkeypatch):
     measured = diagnostics_module.line_losses
     monkeypatch.setattr(diagnostics_module, "line_losses", lambda *args: lines.append(args) or measured(*args))
     assert diagnose(cfg, run_dir) == result and lines == []  # reused
+    shutil.copytree(run_dir / "init", run_dir / "joint" / "final")  # a new model: one distance more
+    grown = diagnose(cfg, run_dir)
+    assert lines == [] and grown["barrier"] == result["barrier"]  # the branches are the same
+    assert grown["distance_from_theta0"]["joint"] == {"l2": 0.0, "relative": 0.0}
+    assert set(grown["checkpoints"]) == {"theta0", "branch-0", "branch-1", "joint"}
     again = diagnose(with_eval(cfg, barrier_points=1), run_dir)
     assert len(lines) == 1 and again["barrier"]["alphas"] == [0.0, 0.5, 1.0]
     assert again["barrier"]["pairs"][0]["losses"][::2] == pytest.approx(result["barrier"]["pairs"][0]["losses"][::4])

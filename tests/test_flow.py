@@ -126,6 +126,7 @@ def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(fi
         assert Path(manifest["parent"]).resolve() == (run_dir / "warmup" / "final").resolve()
         assert manifest["step"] == 16 and manifest["sources"] == split["groups"][k]
     assert not (control / "joint").exists()  # the run has the joint baseline
+    assert not (control / "eval" / "theta0.json").exists()  # the same θ0: evaluated once, with the run
 
     report = json.loads((run_dir / "report" / "report.json").read_text())
     rows = {(r.get("merge", r["model"]), r["split"]): r for r in report["quality"]["rows"]}

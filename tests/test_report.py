@@ -255,6 +255,8 @@ def test_full_report(full_run: Path):
         [mean_loss(m) for m in ("theta0", "joint", "merged-avg", "merged-iso")]
     )
     assert quality["verdict"] == "MERIT-2 beats the joint baseline for 0 of 2."
+    # evaluations without accuracy (eval.accuracy off): no accuracy column, no empty panel
+    assert report["tables"]["quality"]["headers"] == ["model", "split", "held-out loss", "‖θ − θ0‖ / ‖θ0‖"]
 
     own = ["heldout_loss.png", "per_source.png", "training_curves.png", "quality.png"]
     assert report["plots"] == [*own, "../calibration/conflicts.png", "../branches/0/loss.png"]  # relative to report/

@@ -66,6 +66,8 @@ class Case:
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     common = [*args.overrides, "flow.controls=[random]"]
+    # The warm-up trains at train.lr unless warmup.lr is set: then a learning-rate level remakes θ0.
+    lr_keeps_theta0 = load_config(args.config, args.overrides).warmup.lr is not None
     cases = []
     for kind in args.kinds:
         for seed in args.seeds:
@@ -84,12 +86,18 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                 for k in ks[1:]
             ]
             cases.append(Case(f"{base}-joint2", [*sets, "train.epochs=2"], labels | {"joint_epochs": 2}, base, "joint"))
-    first = f"{args.kinds[0]}-s{args.seeds[0]}"
+    first, k = f"{args.kinds[0]}-s{args.seeds[0]}", min(args.k)  # factors: from the first base case, at its K
     for factor in args.factors:
         _, levels, fresh = FACTORS[factor]
-        sets = [*common, f"run.seed={args.seeds[0]}", f"data.builtin.conflicts={args.kinds[0]}", "calibration.r=1"]
+        fresh = fresh or (factor == "lr" and not lr_keeps_theta0)
+        sets = [
+            *common,
+            f"run.seed={args.seeds[0]}",
+            f"data.builtin.conflicts={args.kinds[0]}",
+            f"calibration.r={_r(k)}",
+        ]
         for level, overrides in levels.items():
-            labels = {"factor": factor, "level": level, "K": 2}
+            labels = {"factor": factor, "level": level, "K": k}
             cases.append(Case(f"{factor}-{level}", [*sets, *overrides], labels, None if fresh else first))
     return cases
 
@@ -126,7 +134,7 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
     return [
         case.labels | r | {"barrier": barriers.get(r["split"]), "pairs_apart": apart.get(r["split"])}
         for r in report.get("quality", {}).get("rows", [])
-        if r["model"] != "theta0" or case.labels.get("K") == 2  # θ0 once per base case
+        if r["model"] != "theta0" or case.base is None  # θ0 once per θ0 made
     ]
 
 
@@ -199,8 +207,8 @@ def main_table(rows: list[dict[str, Any]]) -> str:
 
 def factor_table(rows: list[dict[str, Any]], factor: str, base: list[dict[str, Any]]) -> str:
     """One line per level (the base case's first): loss and trained accuracy of θ0, joint and each
-    merge as ``MERIT / Random``."""
-    levels = {"base": [r for r in base if r.get("K") == 2]}
+    merge as ``MERIT / Random``, at the base case's K."""
+    levels = {"base": base}
     levels |= {level: [r for r in rows if r.get("level") == level] for level in FACTORS[factor][1]}
     merges = list(dict.fromkeys(r["merge"] for r in rows + base if "merge" in r))
     headers = ["level", "θ0", "joint", *merges]
@@ -214,7 +222,10 @@ def factor_table(rows: list[dict[str, Any]], factor: str, base: list[dict[str, A
                 pair = [v for (m, split), v in by.items() if m == merge and split != "—"]
                 cells.append(" / ".join(_cell(v, metric, scale) for v in pair))
             table.append([level, *cells])
-        out.append(f"{metric.replace('_', ', ')} (merges: MERIT-2 / Random-2):\n\n" + markdown_table(headers, table))
+        k = base[0]["K"]
+        out.append(
+            f"{metric.replace('_', ', ')} (merges: MERIT-{k} / Random-{k}):\n\n" + markdown_table(headers, table)
+        )
     return f"**{FACTORS[factor][0]}**\n\n" + "\n\n".join(out)
 
 
@@ -235,7 +246,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"[{n}/{len(cases)}] {case.name}: {time.perf_counter() - began:.0f} s", flush=True)
     main_rows = [r for c in cases if "factor" not in c.labels for r in c.rows]
     text = [f"## Quality: `merit {' '.join(sys.argv[1:])}`", "", main_table(main_rows)]
-    first = next(c.rows for c in cases if "factor" not in c.labels)
+    first = cases[0].rows  # the first base case
     for factor in args.factors:
         rows = [r for c in cases if c.labels.get("factor") == factor for r in c.rows]
         text += ["", factor_table(rows, factor, first)]

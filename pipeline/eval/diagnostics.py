@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ BRANCH = "branch-"
 
 def diagnose(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict[str, Any]:
     """Write ``run_dir/eval/diagnostics.json`` (the loss barrier between the branches and every
-    model's distance from θ0) and return it; reused while the models' weights and the config match."""
+    model's distance from θ0) and return it. Under the same config, what the changed or new models
+    do not touch is reused: a merge added to a run costs one distance, not the branches' barrier."""
     run_dir = Path(run_dir)
     path = run_dir / EVAL / DIAGNOSTICS
     models, roles = run_models(cfg, run_dir), source_roles(run_dir)
@@ -49,27 +51,37 @@ def diagnose(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict[s
         "checkpoints": {name: checkpoint_id(folder) for name, folder in models.items()},
         "config_digest": eval_digest(cfg, roles, FIGURES),
     }
-    if path.is_file() and not force:
-        cached = json.loads(path.read_text())
-        if all(cached.get(k) == v for k, v in identity.items()):
-            return cached
+    cached = json.loads(path.read_text()) if path.is_file() and not force else {}
+    before = cached.get("checkpoints", {}) if cached.get("config_digest") == identity["config_digest"] else {}
+    if before == identity["checkpoints"]:
+        return cached
+    kept = {name for name, found in identity["checkpoints"].items() if before.get(name) == found}
     branches = {int(name.removeprefix(BRANCH)): folder for name, folder in models.items() if name.startswith(BRANCH)}
-    result = {
-        "barrier": loss_barrier(cfg, Heldout.load(cfg, run_dir, roles).trained(), branches),
-        "distance_from_theta0": {
-            name: distance(folder, models["theta0"]) for name, folder in models.items() if name != "theta0"
-        },
-    } | identity
+    named = {f"{BRANCH}{k}" for k in branches}
+    if before and named <= kept and named == {name for name in before if name.startswith(BRANCH)}:
+        barrier = cached["barrier"]
+    else:
+        barrier = loss_barrier(cfg, lambda: Heldout.load(cfg, run_dir, roles).trained(), branches)
+    distances = {
+        name: cached["distance_from_theta0"][name] if {name, "theta0"} <= kept else distance(folder, models["theta0"])
+        for name, folder in models.items()
+        if name != "theta0"
+    }
+    result = {"barrier": barrier, "distance_from_theta0": distances} | identity
     write_json_atomic(path, result)
     return result
 
 
-def loss_barrier(cfg: RunConfig, heldout: Heldout, branches: dict[int, str]) -> dict[str, Any] | None:
+def loss_barrier(
+    cfg: RunConfig, heldout: Heldout | Callable[[], Heldout], branches: dict[int, str]
+) -> dict[str, Any] | None:
     """The held-out loss along the line between pairs of branches and its barrier (None with fewer
-    than two branches or no interior point)."""
+    than two branches or no interior point). ``heldout`` may be a function that loads it: then the
+    data is only read when there is a line to walk."""
     points = cfg.eval.barrier_points
     if len(branches) < 2 or points == 0:
         return None
+    heldout = heldout() if callable(heldout) else heldout
     alphas = [k / (points + 1) for k in range(points + 2)]  # 0, the interior points, 1
     ks = sorted(branches)
     pairs = itertools.combinations(ks, 2) if len(ks) <= ALL_PAIRS_UP_TO else itertools.pairwise(ks)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from pipeline.checkpoint import checkpoint_id, write_json_atomic
-from pipeline.config import RunConfig
+from pipeline.config import EVALUATED_ROLES, RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
 from pipeline.data.prepare import MANIFEST_PATH
 from pipeline.eval.generate import Generator, normalise
@@ -39,7 +39,6 @@ from pipeline.models.loss import pieces_for, supervised_hidden
 # The data manifest's role of a source -> its role in evaluation. The warm-up's held-out split
 # measures what θ0 could do before fine-tuning: what the branches should retain.
 EVAL_ROLE = {"finetune": "trained", "warmup": "retention", "unseen": "unseen", "retention": "retention"}
-ROLES = ("trained", "unseen", "retention")
 FIGURES = ("sources", "accuracy", "max_new_tokens", "max_examples_per_source")  # eval settings that change figures
 SAMPLES = 3  # generated answers kept per source, for inspection
 PROMPT_TAIL = 160  # characters of a sample's prompt kept: the question and the assistant header
@@ -173,7 +172,7 @@ def summarise(sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Overall figures over the trained sources (loss and token accuracy token-weighted, macro loss
     and accuracy plain means) and per role present its token-weighted loss, macro accuracy and
     number of sources."""
-    by_role = {role: [s for s in sources.values() if s["role"] == role] for role in ROLES}
+    by_role = {role: [s for s in sources.values() if s["role"] == role] for role in EVALUATED_ROLES}
     roles = {role: _aggregate(group) for role, group in by_role.items() if group}
     trained = by_role["trained"]
     overall = {

@@ -113,11 +113,10 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     others += [
         str((folder / "loss.png").relative_to(run_dir)) for _, _, folder in trained if (folder / "loss.png").is_file()
     ]
-    controls = {
-        name: _models(load_config(folder / CONFIG), folder) for name, folder in controls_of(cfg, run_dir).items()
-    }
+    folders = controls_of(cfg, run_dir)
+    controls = {name: _models(load_config(folder / CONFIG), folder) for name, folder in folders.items()}
     diagnostics = {"merit": _read_json(run_dir / EVAL / DIAGNOSTICS)}
-    diagnostics |= {name: _read_json(folder / EVAL / DIAGNOSTICS) for name, folder in controls_of(cfg, run_dir).items()}
+    diagnostics |= {name: _read_json(folder / EVAL / DIAGNOSTICS) for name, folder in folders.items()}
     quality = quality_section(cfg, models, controls, diagnostics)
     if quality:
         report["quality"] = {k: quality[k] for k in ("rows", "verdict", "differences", "barriers")}

@@ -13,6 +13,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
+from pipeline.config import EVALUATED_ROLES
+
 KIND_COLOURS = {
     "theta0": "tab:grey",
     "branch": "tab:blue",
@@ -80,7 +82,8 @@ def plot_quality(rows: list[dict], path: Path) -> str:
     merges = list(dict.fromkeys(r["merge"] for r in rows if "merge" in r))
     splits = list(dict.fromkeys(r["split"] for r in rows if "merge" in r))
     refs = {r["model"]: r for r in rows if "merge" not in r}
-    metrics = ["loss"] + [k for k in ("accuracy_trained", "accuracy_unseen", "accuracy_retention") if k in rows[-1]]
+    accuracies = [f"accuracy_{role}" for role in EVALUATED_ROLES]
+    metrics = ["loss"] + [k for k in accuracies if any(r.get(k) is not None for r in rows)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
     width = 0.8 / len(splits)
     for ax, metric in zip(axes[0], metrics):

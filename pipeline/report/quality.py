@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.config import EVALUATED_ROLES as ROLES
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.merge.registry import get_method
 
-ROLES = ("trained", "unseen", "retention")
 SCALED = ("iso_c", "iso_cts")  # whose scale the report must state: it is not the paper's by default
 
 
@@ -64,7 +64,7 @@ def _row(model: dict[str, Any], label: str, split: str, diagnostics: dict[str, A
         "model": label,
         "split": split,
         "loss": model["loss"],
-        **{f"accuracy_{role}": roles[role].get("accuracy") for role in ROLES if role in roles},
+        **{f"accuracy_{role}": roles[role]["accuracy"] for role in ROLES if "accuracy" in roles.get(role, {})},
         "distance": 0.0 if model["name"] == "theta0" else distance.get("relative"),
     }
 
