@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import EVALUATED_ROLES, RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
-from pipeline.data.prepare import MANIFEST_PATH
+from pipeline.data.prepare import MANIFEST_PATH, data_digest
 from pipeline.eval.generate import Generator, normalise
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
@@ -60,11 +60,11 @@ def source_roles(run_dir: str | Path) -> dict[str, str]:
 
 
 def eval_digest(cfg: RunConfig, roles: dict[str, str], fields: tuple[str, ...]) -> str:
-    """What figures depend on besides the weights: the data (its config, the warm-up's sources and
-    the sources' roles), the model section and the given eval settings; never batch size or device."""
+    """What figures depend on besides the weights: the prepared data (``data_digest``: its config,
+    the model section, the warm-up and eval sources), the sources' roles and the given eval
+    settings; never batch size or device."""
     settings = cfg.eval.model_dump(mode="json", include=set(fields))
-    warmup = [spec.model_dump(mode="json") for spec in cfg.warmup.sources or []]
-    text = json.dumps([cfg.digest("run", "model", "data"), warmup, roles, settings], sort_keys=True)
+    text = json.dumps([data_digest(cfg), roles, settings], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
