@@ -1,7 +1,7 @@
 """MERIT calibration: gradients at θ0, sketches, conflicts and the split plan."""
 
 import copy
-import itertools
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from calibration.gradients import Sketch, calibration_sample, estimate_source_gr
 from calibration.split import conflict_matrix, plan_split
 from pipeline.cli import main as merit
 from pipeline.data import Collator, Encoder, active_sources, load_sources, read_manifest
-from pipeline.data.builtin import CONFLICTS
+from pipeline.data.builtin import CONFLICT_KINDS, CONFLICTS
 from pipeline.models import build_tiny_model, load_model
 
 ROOT = Path(__file__).parent.parent
@@ -180,32 +180,56 @@ def test_split_refusals():
         conflict_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
 
 
-def test_contradictory_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(setup):
-    """After a short joint warm-up (a merge-ready θ0), the sources of every contradictory pair
-    (same input, different answer) have opposite gradients, and the r = 1 PCA split of the paired
-    sources puts every pair's two sources in different groups.
-
-    The cued pairs (each source its own instruction) are a weaker conflict by this measure: their
-    cosines at θ0 stay near 0 (−0.15 … 0.4 over seeds and warm-ups), since the model tells the two
-    instructions apart; the split keeps most of them apart, not reliably all (README, "The
-    built-in corpus"), so no test asserts it for them."""
-    _, _, encoder, collator = setup
-    config = small_config("data.builtin.examples_per_source=24", "data.builtin.conflicts=contradictory")
-    examples = load_sources(config.data, 0).examples
+def undecided_start(examples, encoder, collator, steps=200):
+    """A merge-ready θ0 that knows both conventions of every pair but not which one is wanted:
+    a short warm-up on the fine-tuning examples, where for the cued pairs each example's answer
+    is, at random, its own or its partner's (the instruction does not yet decide the convention,
+    as in a base model that can answer either way but does not follow instructions). For
+    contradictory pairs, which ask the same question, this is the plain joint mixture."""
+    partner = dict(CONFLICTS) | {b: a for a, b in CONFLICTS}
+    rng = np.random.default_rng(0)
+    warmup = [
+        dataclasses.replace(e, messages=[e.messages[0], examples[partner[s]][e.index].messages[1]])
+        if s in partner and rng.random() < 0.5
+        else e
+        for s, group in examples.items()
+        for e in group
+    ]
+    pool = encoder.encode_batch(warmup)
     model, _ = build_tiny_model(small_config().model, 0)
-    pool = encoder.encode_batch([e for group in itertools.zip_longest(*examples.values()) for e in group if e])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    rng = np.random.default_rng(0)
-    for _ in range(200):
+    for _ in range(steps):
         model(**collator([pool[i] for i in rng.choice(len(pool), 32, replace=False)])).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("kind", CONFLICT_KINDS)
+def test_designed_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(setup, kind):
+    """At a θ0 that can answer every pair either way (``undecided_start``), the two sources of
+    every pair have opposite gradients and the r = 1 PCA split of the paired sources puts every
+    pair's two sources in different groups, for both kinds of conflict.
+
+    Cued cosines are weaker than contradictory ones (−0.35 … −0.9 over data seeds against
+    −0.65 … −1.0; the colour pair's two questions differ in more than their instruction, and
+    once reached +0.05), so the cued bound is on the mean. At the skills warm-up's θ0, which
+    answers tersely already, the cued cosines are near 0 and the split keeps most pairs apart,
+    not reliably all (README, "What calibration finds")."""
+    _, _, encoder, collator = setup
+    config = small_config("data.builtin.examples_per_source=24", f"data.builtin.conflicts={kind}")
+    examples = load_sources(config.data, 0).examples
+    model = undecided_start(examples, encoder, collator)
     paired = {s: examples[s][:16] for pair in CONFLICTS for s in pair}
     grads, _ = estimate(model, paired, encoder, collator, dim=16384)
     conflicts = conflict_matrix(grads.matrix)
     at = {s: i for i, s in enumerate(grads.sources)}
-    assert all(conflicts[at[a], at[b]] < -0.5 for a, b in CONFLICTS)
+    cosines = [float(conflicts[at[a], at[b]]) for a, b in CONFLICTS]
+    if kind == "contradictory":
+        assert max(cosines) < -0.5, cosines
+    else:
+        assert np.mean(cosines) < -0.4 and sum(c < 0 for c in cosines) >= 4, cosines
     plan = plan_split(grads.sources, dict.fromkeys(paired, 100), r=1, method="pca", conflicts=conflicts)
     group = plan.group_of()
     assert [(a, b) for a, b in CONFLICTS if group[a] == group[b]] == []
