@@ -24,6 +24,7 @@ from flows.report import artifact_key, report
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
 from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
+from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
@@ -116,6 +117,7 @@ def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
 
 def start(run_dir: str, cfg: RunConfig, diloco: bool = False) -> None:
     """preflight → prepare → init → warm-up: the data and θ0 every later stage needs."""
+    set_threads()  # this process's stages (calibration, merges, evaluation): its share of the CPUs
     tasks.preflight(run_dir, diloco)
     tasks.prepare(run_dir)
     tasks.init(run_dir)

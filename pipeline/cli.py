@@ -7,20 +7,40 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from calibration.errors import CalibrationError, SplitError
-from pipeline.checkpoint import CheckpointError
-from pipeline.config import ConfigError, RunConfig
-from pipeline.data.example import DataError
-from pipeline.layout import REPORT, start_run
-from pipeline.merge.io import MergeInputError
-from pipeline.merge.spec import MergeSpecError
-from pipeline.train.launch import BranchFailed
+from pipeline.threads import set_threads
+
+if TYPE_CHECKING:
+    from pipeline.config import RunConfig
+
+# Errors a user fixes (config, data, checkpoint, merge spec, a failed branch): one line and exit
+# status 2. Matched among the modules already imported, since a command that raised one has
+# imported its module: importing them all up front (torch, torchvision) made `merit --help` 3 s.
+USER_ERRORS = {
+    "pipeline.config": ("ConfigError",),
+    "pipeline.data.example": ("DataError",),
+    "pipeline.checkpoint": ("CheckpointError",),
+    "pipeline.merge.io": ("MergeInputError",),
+    "pipeline.merge.spec": ("MergeSpecError",),
+    "calibration.errors": ("CalibrationError", "SplitError"),
+    "pipeline.train.launch": ("BranchFailed",),
+}
+
+
+def is_user_error(err: BaseException) -> bool:
+    return any(
+        isinstance(err, getattr(sys.modules[module], name))
+        for module, names in USER_ERRORS.items()
+        if module in sys.modules
+        for name in names
+    )
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
+    from pipeline.layout import start_run
+
     return start_run(args.config, args.overrides, args.run_dir)
 
 
@@ -109,6 +129,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
+    from pipeline.layout import REPORT
     from pipeline.report import build_report
 
     _, run_dir = resolve_run(args)
@@ -129,6 +150,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     from flows.merit import joint, merit
 
     if args.config is None and args.run_dir is None:
+        from pipeline.config import ConfigError
+
         raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
     flows = {"merit": merit, "joint": joint, "diloco": diloco}
     try:
@@ -259,8 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)"
     )
+    bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the checkpoints' dtype")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
+    bench.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
+    bench.add_argument(
+        "--load",
+        type=int,
+        nargs="?",
+        const=0,
+        help="measure again beside N busy processes (no N: as many as this process has CPUs)",
+    )
+    bench.add_argument("--mergekit", metavar="CMD", help="also time mergekit's command (e.g. mergekit-yaml)")
     bench = add_run_options(benches.add_parser("train", help="branch trainer vs a plain PyTorch loop; 1 vs 2 ranks"))
     bench.add_argument("--steps", type=int, default=30, help="optimizer steps per measurement")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -278,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of merged branches")
     bench.add_argument("--methods", default="weighted_average,ties,dare,iso_c", help="comma-separated merge methods")
     bench.add_argument("--steps", type=int, default=4, help="training steps of the train stage")
+    bench = add_run_options(benches.add_parser("load", help="each stage's time unloaded and beside busy processes"))
+    bench.add_argument("--size", choices=["small", "medium"], default="small", help="model widths")
+    bench.add_argument("--steps", type=int, default=8, help="training steps (the median step is printed)")
+    bench.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
+    bench.add_argument("--load", type=int, help="busy processes (default: one per CPU this process may use)")
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
@@ -315,18 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_threads()
     try:
         args.func(args)
-    except (
-        ConfigError,
-        DataError,
-        CheckpointError,
-        MergeInputError,
-        MergeSpecError,
-        CalibrationError,
-        SplitError,
-        BranchFailed,
-    ) as err:
+    except Exception as err:
+        if not is_user_error(err):
+            raise
         print(f"merit: error: {err}", file=sys.stderr)
         return 2
     return 0

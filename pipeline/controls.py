@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from pipeline.config import RunConfig, save_config
-from pipeline.data.prepare import MANIFEST_PATH
+from pipeline.data.manifest import MANIFEST_PATH
 from pipeline.layout import CONFIG, INIT, WARMUP, is_tiny
 
 CONTROLS = "controls"

@@ -87,6 +87,43 @@ def test_kth_largest_abs_is_exact_on_large_tensors():
         assert torch.equal(kth_largest_abs(x, k), expected[:, k - 1])
 
 
+def test_kth_largest_abs_is_exact_when_the_sample_misleads():
+    """The threshold is bracketed from a strided sample; a sample unlike the rest (here every
+    sampled entry is huge) misses the bracket, and the radix select still finds the exact value."""
+    x = torch.rand(2, 1_500_000, generator=torch.Generator().manual_seed(3))
+    x[:, :: 1_500_000 // (1 << 16)] = 1e6
+    expected = torch.sort(x.abs(), dim=1, descending=True).values
+    for k in (10, 300_000):
+        assert torch.equal(kth_largest_abs(x, k), expected[:, k - 1])
+
+
+def test_ties_is_exact_whatever_the_threads_and_blocks():
+    """On values whose sums and means fp32 holds exactly (multiples of 1/8, two equal weights):
+    ties at the threshold, exact cancellations and a majority sign of −1 in a 1.1 M-entry tensor
+    (the bracketed threshold, the chunked passes). TIES equals the reference bit for bit, with one
+    thread or two, in one block or four (the radix threshold, a second read per pass)."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(-16, 16, (1100, 1000), generator=g).float() / 8
+    tau = torch.randint(-12, 8, (2, 1100, 1000), generator=g).float() / 8
+    tau[1, :, :30] = -tau[0, :, :30]  # kept by both, they cancel exactly: the majority's sign decides
+    models, weights = [base + t for t in tau], torch.ones(2)
+    rule = [Rule(pattern="*", method="ties", params={"density": 0.3})]
+
+    def run(threads: int, block_bytes: int = 1 << 30) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            inputs = [{"t": m} for m in models]
+            return merge_state_dicts(inputs, weights, rule, base={"t": base}, block_bytes=block_bytes)["t"]
+        finally:
+            torch.set_num_threads(before)
+
+    expected = np_ties_vectorized(*np_inputs(base, models, weights), 0.3).astype(np.float32)
+    two = run(2)
+    np.testing.assert_array_equal(two.numpy(), expected)
+    assert torch.equal(run(1), two) and torch.equal(run(2, block_bytes=4 << 20), two)
+
+
 def test_ties_on_a_large_tensor_matches_the_reference():
     base, models, weights = case(3, (1200, 1000), seed=2)
     for m in models:  # exact cancellations at some entries exercise the majority-sign rule
@@ -277,6 +314,8 @@ def test_bad_params_and_weights_are_refused():
         Rule(pattern="*", method="ties", params={"density": 2.0})
     with pytest.raises(ValueError, match="unknown merge method"):
         Rule(pattern="*", method="nope")
+    with pytest.raises(ValueError, match="nothing would be kept"):
+        Rule(pattern="*", method="dare", params={"drop": 0.999995})
     with pytest.raises(ValueError, match="positive"):
         merge_state_dicts([{"t": torch.ones(2)}], [0.0], [Rule(pattern="*", method="linear")])
 

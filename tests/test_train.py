@@ -66,6 +66,7 @@ def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero,
     assert [r["step"] for r in records] == list(range(1, 13))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # loss falls on these sources
     assert records[-1]["tokens"] == result.tokens_seen and all(r["tokens_per_s"] > 0 for r in records)
+    assert {r["threads"] for r in records} == {1}  # the tiny model runs single-threaded in each rank
     assert (out / "loss.png").stat().st_size > 5_000
     model = AutoModelForImageTextToText.from_pretrained(out / "final")
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()

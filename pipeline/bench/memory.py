@@ -55,7 +55,7 @@ def _encoders(cfg: RunConfig, processor: Any) -> tuple[Encoder, Collator]:
     return Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
 
 
-def _calibrate(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
+def calibrate_stage(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
     from calibration.gradients import estimate_source_gradients, select_parameters
 
     model = load_model(init, cfg.model).to(device)
@@ -81,23 +81,23 @@ def _evaluate(cfg: RunConfig, init: str, run_dir: str, device: str) -> None:
     evaluate_model(cfg.model_copy(update={"eval": evaluation}), run_dir, "bench", init, force=True)
 
 
-def _merge(init: str, branches: list[str], method: str, out: str, device: str) -> None:
+def merge_stage(init: str, branches: list[str], method: str, out: str, device: str) -> None:
     from pipeline.merge import MergeSpec, merge_checkpoints
 
     models = [{"path": b} for b in branches]
     merge_checkpoints(MergeSpec(base_model=init, models=models, method=method, out_path=out, device=device), False)
 
 
-def _train(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
-    """Steps of the real branch trainer on one rank; the rank's own peaks, from its metrics."""
+def run_train_steps(cfg: RunConfig, run_dir: Path, steps: int, name: str = "train") -> list[dict[str, Any]]:
+    """Steps of the real branch trainer on one rank, from θ0 afresh; its metrics records."""
     from pipeline.train import BranchSpec, train_branch
     from pipeline.train.plan import all_sources
 
-    out = run_dir / "bench" / "train"
+    out = run_dir / "bench" / name
     shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped
     train = cfg.train.model_copy(update={"steps": steps, "processes": 1, "checkpoint_every": 10**9})
     spec = BranchSpec(
-        name="bench",
+        name=f"bench-{name}",
         run_dir=str(run_dir),
         init=str(run_dir / "init"),
         sources=all_sources(run_dir),
@@ -105,13 +105,18 @@ def _train(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
         config=cfg.model_copy(update={"train": train}),
     )
     train_branch(spec, echo=False)
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_steps(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
+    """The trainer's peaks (the rank's own, from its metrics)."""
+    last = run_train_steps(cfg, run_dir, steps)[-1]
     return {
         key: last.get(f"peak_{name}_mb", 0) * 2**20 for key, name in (("anon", "anon"), ("rss", "rss"), ("cuda", "gpu"))
     }
 
 
-def _branches(run_dir: Path, k: int) -> list[str]:
+def moved_branches(run_dir: Path, k: int) -> list[str]:
     """K copies of θ0, each moved a little: the merges' inputs."""
     from safetensors.torch import load_file, save_file
 
@@ -153,8 +158,8 @@ def main(args: argparse.Namespace) -> None:
         return [name, *(round(measured[k] / 2**20) for k in kinds), key, round(per_unit, 2), *fits]
 
     models = [
-        ("calibrate", run_in_process(_measured, _calibrate, device, cfg, init, run, device)),
-        ("train steps (1 rank)", _train(cfg, run_dir, args.steps)),
+        ("calibrate", run_in_process(_measured, calibrate_stage, device, cfg, init, run, device)),
+        ("train steps (1 rank)", train_steps(cfg, run_dir, args.steps)),
         ("fisher", run_in_process(_measured, _fisher, device, cfg, init, run, device)),
         ("evaluate", run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
     ]
@@ -168,10 +173,10 @@ def main(args: argparse.Namespace) -> None:
     largest = max(math.prod(info.shape) for info in CheckpointReader(init).info.values())
     merges = []
     for k in args.k:
-        branches = _branches(run_dir, k)
+        branches = moved_branches(run_dir, k)
         for method in args.methods.split(","):
             out = f"{run}/bench/merged"
-            measured = run_in_process(_measured, _merge, device, init, branches, method, out, device)
+            measured = run_in_process(_measured, merge_stage, device, init, branches, method, out, device)
             merges.append(row(f"{method}, K={k}", measured, "anon", largest))
     print(f"merges (largest tensor: {largest / 1e6:,.1f} M entries, {4 * largest / 2**20:,.0f} MB in fp32):")
     print(

@@ -1,92 +1,151 @@
-"""``merit bench merge``: merge throughput on generated checkpoints, beside the floor.
+"""``merit bench merge``: merge throughput on generated checkpoints beside the streaming floor,
+unloaded and beside competing busy processes, and beside mergekit.
 
-For K = 2, 4, 8 generated bf16 checkpoints of ``--size-mb`` each (default 512 MB, Qwen-like
-shapes), every method is run in a fresh process (so its peak RSS is its own) and reported as
-GB/s of input read; the floor, measured in the same run on the same files, is a plain
-streaming read of every tensor of every input plus one add. Target: weighted average, task
-arithmetic and TIES at ≥ 50 % of the floor.
+For K = 2, 4, 8 generated checkpoints of ``--size-mb`` each (a Qwen2 model's tensors and its
+``config.json``, random, in ``--dtype``), every method runs in a fresh process (so its peak RSS
+is its own), ``--repeats`` times; the median is printed (these machines are noisy). The floor,
+measured in the same run on the same files, is a plain streaming read of every tensor of the
+files a method reads (θ0 and the K models; the K models alone for the weighted average, which
+never reads θ0) plus an fp32 weighted sum. Targets: the averages at ≥ 50 % of it, TIES and DARE
+at ≥ 25 %.
 
-Two memory figures per run: peak RSS, which includes the input files' pages that safetensors
-memory-maps (file-backed page cache, reclaimable, shared), and peak anonymous RSS, the memory
-the merge itself allocates (sampled every 10 ms), which is what O((K + 2) × largest tensor) bounds.
+``--load N`` measures everything again beside N busy processes (default: as many as this
+process has CPUs) and prints the loaded/unloaded ratio: a process that shares C cores with N
+single-threaded spinners gets C / (C + N) of them, 2× its unloaded time for N = C.
+
+``--mergekit CMD`` times whole commands: ``merit merge`` and mergekit (``CMD CONFIG OUT``, e.g.
+``mergekit-yaml``) on the same checkpoints for the methods both have, and both on tiny
+checkpoints (their start-up).
+
+Memory: peak RSS includes the input files' pages that safetensors memory-maps (file-backed page
+cache, reclaimable, shared); peak anonymous RSS (sampled every 10 ms) is what the merge itself
+allocates, which O((K + 2) × largest tensor) bounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import json
+import math
 import multiprocessing as mp
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.merge import CheckpointReader, MergeSpec, merge_checkpoints
+from pipeline.threads import available_cpus, set_threads
 
-HIDDEN, INTERMEDIATE, VOCAB = 2048, 5632, 8192
-DEFAULT_METHODS = ("weighted_average", "task_arithmetic", "ties", "dare")
+# (hidden, intermediate, vocabulary): Qwen2.5-3B's hidden width, or a tiny one for start-up runs
+WIDE, TINY = (2048, 5632, 8192), (64, 176, 512)
+HEADS, KV_HEADS = 16, 2
+# method: (our params, mergekit's method, mergekit's per-model parameters), the same merge
+METHODS = {
+    "weighted_average": ({}, "linear", {}),
+    "task_arithmetic": ({}, "task_arithmetic", {}),
+    "ties": ({"density": 0.2}, "ties", {"density": 0.2}),
+    "dare": ({"drop": 0.9}, "dare_linear", {"density": 0.1}),
+}
+READS_BASE = {"task_arithmetic", "ties", "dare"}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def checkpoint_shapes(size_mb: int) -> dict[str, tuple[int, ...]]:
-    """Qwen-like tensors (embeddings, attention, MLP, norms) adding up to about ``size_mb`` in bf16."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    layer, total = 0, VOCAB * HIDDEN * 2
-    while total < size_mb * 1e6:
+def qwen2_config(size_mb: float, dtype: str) -> dict:
+    """A Qwen2 config (tied embeddings) with as many layers as ``size_mb`` holds: at 2048 wide,
+    or 64 wide under 16 MB."""
+    hidden, intermediate, vocab = WIDE if size_mb >= 16 else TINY
+    kv = hidden // HEADS * KV_HEADS
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + hidden + 2 * kv + 3 * hidden * intermediate + 2 * hidden
+    budget = size_mb * 1e6 / DTYPES[dtype].itemsize - vocab * hidden - hidden
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": max(1, math.ceil(budget / per_layer)),
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+    }
+
+
+def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    kv = hidden // HEADS * KV_HEADS
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         for name, shape in (
-            ("self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-            ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-            ("mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
-            ("mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
-            ("input_layernorm.weight", (HIDDEN,)),
+            ("self_attn.q_proj.weight", (hidden, hidden)),
+            ("self_attn.q_proj.bias", (hidden,)),
+            ("self_attn.k_proj.weight", (kv, hidden)),
+            ("self_attn.k_proj.bias", (kv,)),
+            ("self_attn.v_proj.weight", (kv, hidden)),
+            ("self_attn.v_proj.bias", (kv,)),
+            ("self_attn.o_proj.weight", (hidden, hidden)),
+            ("mlp.gate_proj.weight", (intermediate, hidden)),
+            ("mlp.up_proj.weight", (intermediate, hidden)),
+            ("mlp.down_proj.weight", (hidden, intermediate)),
+            ("input_layernorm.weight", (hidden,)),
+            ("post_attention_layernorm.weight", (hidden,)),
         ):
             shapes[f"{prefix}.{name}"] = shape
-            total += torch.Size(shape).numel() * 2
-        layer += 1
+    shapes["model.norm.weight"] = (hidden,)
     return shapes
 
 
-def generate(folder: Path, k: int, size_mb: int) -> tuple[Path, list[Path]]:
-    shapes = checkpoint_shapes(size_mb)
+def generate(folder: Path, k: int, size_mb: float, dtype: str = "bfloat16") -> tuple[Path, list[Path]]:
+    """θ0 and K models near it (θ0 + 0.01 · noise), each a folder with its config.json."""
+    config = qwen2_config(size_mb, dtype)
     g = torch.Generator().manual_seed(0)
-    base = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    base = {n: torch.randn(s, generator=g).to(DTYPES[dtype]) for n, s in checkpoint_shapes(config).items()}
     paths = []
-    for i, tensors in enumerate([base] + [None] * k):
+    for i in range(k + 1):
         path = folder / ("base" if i == 0 else f"m{i}")
         path.mkdir()
-        if tensors is None:
-            tensors = {
-                n: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(torch.bfloat16) for n, t in base.items()
-            }
+        noise = {} if i == 0 else {n: (0.01 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in base.items()}
+        tensors = {n: t + noise[n] if noise else t for n, t in base.items()}
         save_file(tensors, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(config))
         paths.append(path)
     return paths[0], paths[1:]
 
 
 def streaming_floor(paths: list[Path]) -> float:
-    """Seconds for a plain streaming read of every tensor of every input plus one add."""
-    readers = [CheckpointReader(p) for p in paths]
+    """Seconds for a plain streaming read of every tensor of ``paths`` plus an fp32 weighted sum."""
+    readers, w = [CheckpointReader(p) for p in paths], 1.0 / len(paths)
     start = time.perf_counter()
     for name in readers[0].info:
-        acc = readers[0].get(name).float()
+        acc = readers[0].get(name).float().mul_(w)
         for reader in readers[1:]:
-            acc.add_(reader.get(name))
+            acc.add_(reader.get(name), alpha=w)
     return time.perf_counter() - start
 
 
 def _measured(queue, work) -> None:
+    set_threads()
     with AnonymousPeak() as anon:
         result = work()
     queue.put((result, max_rss(), anon.peak))
 
 
 def _run_method(queue, method: str, base: Path, models: list[Path], out: Path, device: str) -> None:
-    spec = MergeSpec(
-        base_model=str(base), models=[{"path": str(p)} for p in models], method=method, out_path=str(out), device=device
-    )
+    spec = merge_spec(method, base, models, out, device)
     _measured(queue, lambda: merge_checkpoints(spec, progress=False).total_seconds)
 
 
@@ -104,37 +163,131 @@ def run_in_process(target, *args):
     return result
 
 
+def merge_spec(method: str, base: Path, models: list[Path], out: Path, device: str = "cpu") -> MergeSpec:
+    return MergeSpec(
+        base_model=str(base),
+        models=[{"path": str(p)} for p in models],
+        method=method,
+        params=METHODS[method][0],
+        out_path=str(out),
+        device=device,
+    )
+
+
+def median_of(repeats: int, measure) -> tuple[float, float, float]:
+    """Median seconds of ``repeats`` measurements, and the largest peak RSS and anonymous RSS."""
+    results = [measure() for _ in range(repeats)]
+    return statistics.median(r[0] for r in results), max(r[1] for r in results), max(r[2] for r in results)
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU (pure Python: one core each) until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    time.sleep(0.5)  # let them start spinning
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def timed_command(argv: list[str], repeats: int) -> float:
+    """Median wall seconds of a whole command (its output discarded; a failure raises)."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def command_pair(
+    method: str, base: Path, models: list[Path], folder: Path, mergekit: str, dtype: str
+) -> tuple[list[str], list[str]]:
+    """``merit merge`` and mergekit's command for the same merge (outputs under ``folder``)."""
+    spec = folder / f"{method}.yaml"
+    spec.write_text(yaml.safe_dump(merge_spec(method, base, models, folder / f"ours-{method}").model_dump(mode="json")))
+    _, theirs, params = METHODS[method]
+    config = {
+        "merge_method": theirs,
+        "models": [{"model": str(p), "parameters": {"weight": 1.0, **params}} for p in models],
+        "dtype": dtype,
+    }
+    if method in READS_BASE:
+        config["base_model"] = str(base)
+    (folder / f"{method}-mergekit.yaml").write_text(yaml.safe_dump(config))
+    ours = [sys.executable, "-m", "pipeline.cli", "merge", str(spec)]
+    return ours, [*mergekit.split(), str(folder / f"{method}-mergekit.yaml"), str(folder / f"mergekit-{method}")]
+
+
 def main(args: argparse.Namespace) -> None:
-    methods = args.methods.split(",") if args.methods else list(DEFAULT_METHODS)
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"merit bench merge: unknown methods {unknown}; known: {sorted(METHODS)}")
+    load = (args.load or available_cpus()) if args.load is not None else 0
     root = Path(tempfile.mkdtemp(prefix="merit-bench-merge-", dir=args.workdir))
-    largest = max(torch.Size(s).numel() for s in checkpoint_shapes(args.size_mb).values()) * 4 / 1e9
     print(
-        f"checkpoints of {args.size_mb} MB (bf16), device {args.device}, torch threads {torch.get_num_threads()}, "
-        f"largest tensor {largest:.3f} GB in fp32"
+        f"checkpoints of {args.size_mb} MB ({args.dtype}), {available_cpus()} CPUs, torch threads "
+        f"{set_threads()}, median of {args.repeats}" + (f", loaded: beside {load} busy processes" if load else "")
     )
-    print(
-        f"{'K':>2}  {'method':<18} {'seconds':>8} {'GB/s read':>10} {'% floor':>8} {'peak RSS GB':>12} {'anon GB':>8}"
-    )
+    headers = ["K", "method", "seconds", "GB/s read", "% floor", "peak RSS GB", "anon GB"]
+    headers += ["loaded s", "loaded/unloaded"] if load else []
+    print("  ".join(f"{h:>{len(h) if i != 1 else 18}}" for i, h in enumerate(headers)))
     try:
         for k in args.k:
             folder = root / f"k{k}"
             folder.mkdir()
-            base, models = generate(folder, k, args.size_mb)
-            read_gb = sum(p.joinpath("model.safetensors").stat().st_size for p in models) / 1e9
-            floor, rss, anon = run_in_process(_floor_process, models)
-            print(
-                f"{k:>2}  {'floor (read+add)':<18} {floor:8.2f} {read_gb / floor:10.2f} {100:8.0f} "
-                f"{rss / 1e9:12.2f} {anon / 1e9:8.2f}"
-            )
+            base, models = generate(folder, k, args.size_mb, args.dtype)
+            floors = {}
+            for reads_base in (False, True):
+                paths = [base, *models] if reads_base else models
+                gb = sum(p.joinpath("model.safetensors").stat().st_size for p in paths) / 1e9
+                measure = functools.partial(run_in_process, _floor_process, paths)
+                floors[reads_base] = row(args, load, k, f"floor ({len(paths)} files)", gb, None, measure)
             for method in methods:
-                seconds, rss, anon = run_in_process(
-                    _run_method, method, base, models, folder / f"out-{method}", args.device
-                )
-                print(
-                    f"{k:>2}  {method:<18} {seconds:8.2f} {read_gb / seconds:10.2f} {100 * floor / seconds:8.0f} "
-                    f"{rss / 1e9:12.2f} {anon / 1e9:8.2f}"
-                )
-                shutil.rmtree(folder / f"out-{method}")
+                floor, gb = floors[method in READS_BASE]
+                measure = functools.partial(_merged, method, base, models, folder / f"out-{method}", args.device)
+                row(args, load, k, method, gb, floor, measure)
+            if args.mergekit:
+                compare_with_mergekit(args, methods, base, models, folder)
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _merged(method: str, base: Path, models: list[Path], out: Path, device: str):
+    result = run_in_process(_run_method, method, base, models, out, device)
+    shutil.rmtree(out)
+    return result
+
+
+def row(args, load: int, k: int, label: str, gb: float, floor: float | None, measure) -> tuple[float, float]:
+    """Measure, print one row; returns (seconds, GB read)."""
+    seconds, rss, anon = median_of(args.repeats, measure)
+    cells = [f"{k:>2}", f"{label:<18}", f"{seconds:7.2f}", f"{gb / seconds:9.2f}"]
+    cells += [f"{100 * (floor or seconds) / seconds:7.0f}", f"{rss / 1e9:11.2f}", f"{anon / 1e9:7.2f}"]
+    if load:
+        with busy_processes(load):
+            loaded, _, _ = median_of(args.repeats, measure)
+        cells += [f"{loaded:8.2f}", f"{loaded / seconds:15.2f}"]
+    print("  ".join(cells), flush=True)
+    return seconds, gb
+
+
+def compare_with_mergekit(args, methods: list[str], base: Path, models: list[Path], folder: Path) -> None:
+    """Whole commands, ours and mergekit's, on these checkpoints and on tiny ones (start-up)."""
+    tiny = folder / "tiny"
+    tiny.mkdir()
+    tiny_base, tiny_models = generate(tiny, 2, 0.5, args.dtype)
+    print(f"   {'whole command':<18}  {'merit s':>7}  {'mergekit s':>10}  {'mergekit/merit':>14}")
+    cases = [(m, base, models, folder, f"{m}, K = {len(models)}") for m in methods]
+    cases.append(("weighted_average", tiny_base, tiny_models, tiny, "start-up (tiny)"))
+    for method, b, ms, where, label in cases:
+        ours, theirs = command_pair(method, b, ms, where, args.mergekit, args.dtype)
+        mine, other = timed_command(ours, args.repeats), timed_command(theirs, args.repeats)
+        print(f"   {label:<18}  {mine:7.2f}  {other:10.2f}  {other / mine:14.2f}", flush=True)
+        for out in where.glob(f"*-{method}"):  # both outputs
+            shutil.rmtree(out)

@@ -1,22 +1,22 @@
-"""Multi-source instruction data: loaders, the built-in corpus, encoding, the prepare stage."""
+"""Multi-source instruction data: loaders, the built-in corpus, encoding, the prepare stage.
+Exports import their submodule on first use: reading a manifest needs no image processing."""
 
-from pipeline.data.encode import IGNORE_INDEX, Collator, Encoded, EncodedDataset, Encoder
-from pipeline.data.example import DataError, Example
-from pipeline.data.prepare import active_sources, load_split, prepare_data, read_manifest
-from pipeline.data.sources import LoadedSources, load_sources
+from pipeline.lazy import lazy_exports
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Collator",
-    "DataError",
-    "Encoded",
-    "EncodedDataset",
-    "Encoder",
-    "Example",
-    "LoadedSources",
-    "active_sources",
-    "load_sources",
-    "load_split",
-    "prepare_data",
-    "read_manifest",
-]
+EXPORTS = {
+    "IGNORE_INDEX": "encode",
+    "Collator": "encode",
+    "Encoded": "encode",
+    "EncodedDataset": "encode",
+    "Encoder": "encode",
+    "DataError": "example",
+    "Example": "example",
+    "active_sources": "manifest",
+    "read_manifest": "manifest",
+    "load_split": "prepare",
+    "prepare_data": "prepare",
+    "LoadedSources": "sources",
+    "load_sources": "sources",
+}
+__all__ = sorted(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

@@ -26,9 +26,9 @@ from pipeline.checkpoint import write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data.encode import Encoder
 from pipeline.data.example import DataError, Example
+from pipeline.data.manifest import MANIFEST_PATH, active_sources, read_manifest
 from pipeline.data.sources import EVAL_ROLES, LoadedSources, load_sources
 
-MANIFEST_PATH = Path("data") / "manifest.json"
 TOKENS_DIR = Path("data") / "tokens"
 ENCODE_BATCH = 32
 SKIPPED_SHOWN = 5  # reasons kept per source in the manifest; the count is always exact
@@ -159,23 +159,6 @@ def _attach_token_ids(examples: list[Example], path: Path, source: str) -> None:
                 "changed since `merit prepare` (its cached token ids are stale); re-run `merit prepare --force`"
             )
         example.token_ids = tensors["input_ids"][bounds[i] : bounds[i + 1]]
-
-
-def read_manifest(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / MANIFEST_PATH
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no data manifest; run `merit prepare` first")
-    return json.loads(path.read_text())
-
-
-def active_sources(manifest: dict[str, Any], role: str | None = "finetune") -> dict[str, dict[str, Any]]:
-    """The prepared sources that were not dropped, of one role (None: of every role). A manifest
-    written before roles existed holds fine-tuning sources only."""
-    return {
-        name: info
-        for name, info in manifest["sources"].items()
-        if not info.get("dropped") and role in (None, info.get("role", "finetune"))
-    }
 
 
 def load_split(

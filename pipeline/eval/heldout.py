@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import EVALUATED_ROLES, RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
-from pipeline.data.prepare import MANIFEST_PATH, data_digest
+from pipeline.data.manifest import MANIFEST_PATH
+from pipeline.data.prepare import data_digest
 from pipeline.eval.generate import Generator, normalise
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor

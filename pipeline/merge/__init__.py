@@ -1,31 +1,29 @@
 """The merge library: one function per method over one tensor, rules choosing a method per
 tensor, and a streaming driver over safetensors checkpoints. Stands alone: torch and
-safetensors only (no import of the data, model or training code)."""
+safetensors only (no import of the data, model or training code). Exports import their
+submodule on first use."""
 
-from pipeline.merge.driver import MergeReport, merge_checkpoints, merge_state_dicts, merge_tensor
-from pipeline.merge.inputs import TensorInputs, tensor_reader
-from pipeline.merge.io import CheckpointReader, MergeInputError
-from pipeline.merge.registry import METHODS, MergeMethod, TensorContext, get_method
-from pipeline.merge.rules import QWEN2_5_VL_GROUPS, Rule, choose
-from pipeline.merge.spec import MergeSpec, MergeSpecError, ModelEntry
+from pipeline.lazy import lazy_exports
 
-__all__ = [
-    "METHODS",
-    "QWEN2_5_VL_GROUPS",
-    "CheckpointReader",
-    "MergeInputError",
-    "MergeMethod",
-    "MergeReport",
-    "MergeSpec",
-    "MergeSpecError",
-    "ModelEntry",
-    "Rule",
-    "TensorContext",
-    "TensorInputs",
-    "choose",
-    "get_method",
-    "merge_checkpoints",
-    "merge_state_dicts",
-    "merge_tensor",
-    "tensor_reader",
-]
+EXPORTS = {
+    "MergeReport": "driver",
+    "merge_checkpoints": "driver",
+    "merge_state_dicts": "driver",
+    "merge_tensor": "driver",
+    "TensorInputs": "inputs",
+    "tensor_reader": "inputs",
+    "CheckpointReader": "io",
+    "MergeInputError": "io",
+    "METHODS": "registry",
+    "MergeMethod": "registry",
+    "TensorContext": "registry",
+    "get_method": "registry",
+    "QWEN2_5_VL_GROUPS": "rules",
+    "Rule": "rules",
+    "choose": "rules",
+    "MergeSpec": "spec",
+    "MergeSpecError": "spec",
+    "ModelEntry": "spec",
+}
+__all__ = sorted(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

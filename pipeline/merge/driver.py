@@ -39,6 +39,7 @@ class MergeReport:
     compute_seconds: float = 0.0
     write_seconds: float = 0.0
     total_seconds: float = 0.0
+    threads: int = 0  # torch threads of the merge (pipeline.threads)
     methods: dict[str, str] = field(default_factory=dict)  # tensor name -> method used
 
     def summary(self) -> dict:
@@ -146,6 +147,7 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
     start = time.perf_counter()
     run = _CheckpointMerge(spec)
     report = run.report
+    report.threads = torch.get_num_threads()
     with staged_dir(spec.out_path) as tmp, ShardedWriter(tmp, run.plan, spec.max_shard_size) as writer:
         for name in tqdm(writer.order, desc="merge", unit="tensor", disable=not progress, leave=False):
             merged = run.merge(name)

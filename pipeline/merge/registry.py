@@ -79,6 +79,8 @@ def register(method: MergeMethod) -> MergeMethod:
 
 
 def get_method(name: str) -> MergeMethod:
+    import pipeline.merge.methods  # noqa: F401  (the methods register themselves when imported)
+
     if name not in METHODS:
         raise ValueError(f"unknown merge method '{name}'; known: {sorted(METHODS)}")
     return METHODS[name]

@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import MANIFEST, verify_checkpoint
 from pipeline.config import FreezeSection, ModelSection
+from pipeline.threads import fit_threads_to_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -38,7 +39,8 @@ def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:
 
 
 def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
-    """``AutoModelForImageTextToText`` with the config's dtype and attention implementation.
+    """``AutoModelForImageTextToText`` with the config's dtype and attention implementation; a
+    small model runs this thread single-threaded (``pipeline.threads.fit_threads_to_model``).
 
     A local folder written by this project carries a manifest: it is verified first, so a
     corrupt or half-copied checkpoint fails here with the file named, not deep in a forward.
@@ -52,6 +54,7 @@ def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
         trust_remote_code=model_cfg.trust_remote_code,
     )
     apply_freeze(model, model_cfg.freeze)
+    fit_threads_to_model(sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))  # ZeRO-3: partitioned
     return model
 
 

@@ -28,8 +28,8 @@ from pipeline.checkpoint import (
 from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
 from pipeline.controls import controls_of
-from pipeline.data.prepare import active_sources
-from pipeline.data.prepare import read_manifest as read_data_manifest
+from pipeline.data.manifest import active_sources
+from pipeline.data.manifest import read_manifest as read_data_manifest
 from pipeline.layout import (
     BRANCHES,
     CALIBRATION,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.threads import threads_per_process
 from pipeline.train.spec import BranchSpec
 
 KILLED = {137: "SIGKILL", 143: "SIGTERM", -9: "SIGKILL", -15: "SIGTERM"}
@@ -100,6 +101,19 @@ def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = N
     return _result(spec, final, seconds, resumed)
 
 
+def rank_environment(ranks_sharing: int, gpus: list[int] | None) -> dict[str, str]:
+    """What a rank needs beyond its rendezvous: its share of this process's CPUs as threads, when
+    ``ranks_sharing`` ranks run on them at once (OpenMP's passive waiting is inherited, set by
+    ``pipeline.threads``), its GPUs, and DeepSpeed's extension cache."""
+    env = {
+        "OMP_NUM_THREADS": str(threads_per_process(ranks_sharing)),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
+    }
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return env
+
+
 def run_job(
     spec: BranchSpec, spec_path: Path, module: str, echo: bool, gpus: list[int] | None, sharing: int = 1
 ) -> float:
@@ -109,15 +123,7 @@ def run_job(
     CPU cores at once (each gets its share of threads)."""
     out = Path(spec.out_dir)
     argv, rank_env = command(spec_path, spec.train.processes, module)
-    threads = (os.cpu_count() or 1) // (spec.train.processes * sharing)
-    env = {
-        **os.environ,
-        **rank_env,
-        "OMP_NUM_THREADS": str(max(1, threads)),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
-    }
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env = os.environ | rank_env | rank_environment(spec.train.processes * sharing, gpus)
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:

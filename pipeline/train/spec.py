@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from pipeline.checkpoint import MANIFEST, CheckpointError, checkpoint_id, verify_checkpoint
 from pipeline.config import RunConfig, TrainSection
-from pipeline.data.prepare import active_sources, read_manifest
+from pipeline.data.manifest import active_sources, read_manifest
 from pipeline.hub import ModelNotFoundError, check_model_folder
 
 # Settings that change no number the branch computes: they may differ on a resumed run. ``epochs``

@@ -112,6 +112,7 @@ class Branch:
                 "data_wait_s": round(waited, 4),
                 "grad_norm": None if norm is None else float(norm),
                 "elapsed_s": round(state.elapsed_s, 3),
+                "threads": torch.get_num_threads(),  # the rank's share of the CPUs (pipeline.threads)
             }
         )
 

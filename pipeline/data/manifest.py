@@ -1,0 +1,27 @@
+"""The prepared data's manifest (``data/manifest.json``): what the prepare stage wrote, read by
+every later stage and the report without importing the encoders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MANIFEST_PATH = Path("data") / "manifest.json"
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_PATH
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no data manifest; run `merit prepare` first")
+    return json.loads(path.read_text())
+
+
+def active_sources(manifest: dict[str, Any], role: str | None = "finetune") -> dict[str, dict[str, Any]]:
+    """The prepared sources that were not dropped, of one role (None: of every role). A manifest
+    written before roles existed holds fine-tuning sources only."""
+    return {
+        name: info
+        for name, info in manifest["sources"].items()
+        if not info.get("dropped") and role in (None, info.get("role", "finetune"))
+    }
