@@ -168,8 +168,8 @@ def ties(
     """TIES over the row blocks ``block(i)`` of ``inputs`` (its task vectors, or DARE's dropped
     ones), in two passes: trim, weight and elect every column's sign; then, with the tensor's
     majority sign known for the columns whose kept values cancel exactly, the disjoint means. A
-    tensor of one block is kept trimmed and weighted in place between the passes; a larger one
-    is read again and weighted again."""
+    tensor of one block is kept trimmed in place between the passes; a larger one is read and
+    trimmed again. The chunks of a pass run on ``map_chunks`` threads."""
     rows, n, device = inputs.k, inputs.numel, inputs.device
     keep = max(1, round(density * n))
     one_block = len(inputs.blocks) == 1
