@@ -1,5 +1,6 @@
 """The report task: the library writes ``report/`` (markdown, JSON, PNGs); this publishes it as
-Prefect artifacts: the markdown, one table per report table, and links to every plot."""
+Prefect artifacts: the markdown with its plots inline, one table per report table, and one
+markdown artifact per plot (``data:`` URIs: the UI is a web page that cannot open the run's files)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.layout import REPORT
 
@@ -22,12 +23,13 @@ def artifact_key(*parts: str) -> str:
 @task(name="report")
 def report(run_dir: str, run_name: str) -> dict[str, Any]:
     from pipeline.report import build_report
+    from pipeline.report.embed import embed_plots, png_data_uri
 
     built = build_report(run_dir)
     run = Path(os.path.abspath(run_dir))  # not resolved: a warm-up linked from another run stays under this one
     folder = run / REPORT
     create_markdown_artifact(
-        (folder / "report.md").read_text(),
+        embed_plots((folder / "report.md").read_text(), folder),
         key=artifact_key(run_name, "report"),
         description=f"MERIT report of {run_dir}",
     )
@@ -37,5 +39,10 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
     for plot in built["plots"]:  # "heldout_loss.png", "../branches/0/loss.png", ...
         path = Path(os.path.normpath(folder / plot))
         name = str(path.relative_to(run).with_suffix(""))
-        create_link_artifact(path.as_uri(), link_text=name, key=artifact_key(run_name, "plot", name))
+        image = png_data_uri(path)
+        create_markdown_artifact(
+            f"![{name}]({image})",
+            key=artifact_key(run_name, "plot", name),
+            description=f"{name} of {run_dir} ({len(image):,} bytes inline)",
+        )
     return {"report": str(folder / "report.md"), "headline": built.get("headline", {})}

@@ -5,7 +5,9 @@ tests/test_shipped_3b.py; a lost machine: tests/test_prefect_server.py.)"""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -110,8 +112,15 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
     assert by_key["demo-models"].type == "table" and "merged-token_average" in json.dumps(by_key["demo-models"].data)
     for key in ("demo-warmup", "demo-training"):  # the warm-up's and the branches' progress, finished
         assert by_key[key].type == "progress" and float(by_key[key].data) == 100.0
-    links = {key: a.data for key, a in by_key.items() if key.startswith("demo-plot-")}
-    assert "file://" in links["demo-plot-report-heldout-loss"] and "demo-plot-branches-1-loss" in links
+    report_md = by_key["demo-report"].data  # every plot inline: the UI cannot open the run's files
+    assert "file://" not in report_md and not re.search(r"\]\((?!data:)[^)]*\.png\)", report_md)
+    plots = {key: a.data for key, a in by_key.items() if key.startswith("demo-plot-")}
+    assert {"demo-plot-report-heldout-loss", "demo-plot-branches-1-loss"} <= set(plots)
+    for markdown in [report_md, *plots.values()]:
+        for uri in re.findall(r"\(data:image/png;base64,([^)]+)\)", markdown):
+            assert base64.b64decode(uri).startswith(b"\x89PNG")
+    assert all(len(markdown) < 100_000 for markdown in plots.values())
+    assert (run_dir / "report" / "report.md").read_text().count("](heldout_loss.png)") == 1  # the file keeps its links
 
 
 def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(finished_run):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -358,3 +361,19 @@ def test_a_corrupt_checkpoint_is_reported_as_such_not_left_out_silently(full_run
     assert "branch-1" not in [m["name"] for m in report["models"]]  # its evaluation is of other weights
     markdown = (full_run / "report" / "report.md").read_text()
     assert "## Problems" in markdown and "- branch-1: " in markdown
+
+
+def test_plots_are_inlined_for_the_prefect_ui_small_and_decodable(tmp_path):
+    from pipeline.report.embed import MAX_WIDTH, embed_plots
+
+    (tmp_path / "report").mkdir()
+    (tmp_path / "branches").mkdir()
+    Image.new("RGB", (1600, 900), "white").save(tmp_path / "report" / "loss.png")
+    Image.new("RGB", (300, 200), "red").save(tmp_path / "branches" / "curve.png")
+    markdown = "![loss](loss.png)\n\n- [curve](../branches/curve.png)\n\n![remote](https://example.org/x.png)\n"
+    inlined = embed_plots(markdown, tmp_path / "report")
+    uris = re.findall(r"!\[(\w+)\]\(data:image/png;base64,([^)]+)\)", inlined)
+    assert [alt for alt, _ in uris] == ["loss", "curve"]
+    images = [Image.open(io.BytesIO(base64.b64decode(data))) for _, data in uris]
+    assert [im.size for im in images] == [(MAX_WIDTH, 450), (300, 200)]  # scaled down, never up
+    assert "![remote](https://example.org/x.png)" in inlined  # absolute links are left alone
