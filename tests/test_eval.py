@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.cli import main as merit
@@ -136,6 +137,10 @@ def test_result_is_written_and_cached_until_checkpoint_or_config_change(run_dir,
     changed = evaluate_model(cfg, run_dir, "m", other)
     assert loads[-1] == other and changed["checkpoint_id"] != first["checkpoint_id"]
     assert len(loads) == 3 and abs(changed["loss"] - first["loss"]) > 1e-3
+    board = EventAccumulator(str(run_dir / EVAL / "tensorboard" / "m"))  # TensorBoard's own reader
+    board.Reload()  # three evaluations of "m": the latest replaces the others
+    assert [(e.step, e.value) for e in board.Scalars("heldout/loss")] == [(0, pytest.approx(changed["loss"]))]
+    assert {f"heldout_loss/{source}" for source in changed["sources"]} <= set(board.Tags()["scalars"])
 
     fewer = evaluate_model(
         config(run_dir, "eval.max_examples_per_source=1"), run_dir, "m", other

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import processes_of
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import verify_checkpoint
@@ -67,6 +68,12 @@ def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero,
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # loss falls on these sources
     assert records[-1]["tokens"] == result.tokens_seen and all(r["tokens_per_s"] > 0 for r in records)
     assert {r["threads"] for r in records} == {1}  # the tiny model runs single-threaded in each rank
+    board = EventAccumulator(str(out / "tensorboard"))  # TensorBoard's own reader
+    board.Reload()
+    assert [(e.step, round(e.value, 5)) for e in board.Scalars("train/loss")] == [
+        (r["step"], round(r["loss"], 5)) for r in records
+    ]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(board.Tags()["scalars"])
     assert (out / "loss.png").stat().st_size > 5_000
     model = AutoModelForImageTextToText.from_pretrained(out / "final")
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()

@@ -169,9 +169,11 @@ def main(job_path: str) -> None:
         residual = write_payload(job, r, params, residual, pending, rank, **meta)
         branch.state = replace(branch.state, rounds=r + 1)
         branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
+        branch.metrics.flush()
         if rank == 0:
             publish(job, branch.checkpointer.latest(), r, save_s=round(clock.lap(), 4))
         launch_s = 0.0
+    branch.metrics.close()
     if rank == 0:
         out = Path(branch.spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"DiLoCo worker {branch.spec.name}")

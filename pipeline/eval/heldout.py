@@ -36,6 +36,7 @@ from pipeline.eval.generate import Generator, normalise
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
 from pipeline.models.loss import pieces_for, supervised_hidden
+from pipeline.tensorboard import log_evaluation
 
 # The data manifest's role of a source -> its role in evaluation. The warm-up's held-out split
 # measures what θ0 could do before fine-tuning: what the branches should retain.
@@ -112,6 +113,7 @@ def evaluate_model(
             return cached
     result = score_heldout(cfg, run_dir, name, checkpoint) | identity
     write_json_atomic(path, result)
+    log_evaluation(run_dir / EVAL / "tensorboard" / name, result)
     return result
 
 

@@ -1,4 +1,5 @@
-"""``metrics.jsonl``: one line per optimizer step, written by rank 0, with rank 0's peak memory."""
+"""``metrics.jsonl``: one line per optimizer step, written by rank 0, with rank 0's peak memory;
+the same steps as TensorBoard scalars (``pipeline.tensorboard``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from typing import Any
 import torch
 
 from pipeline.memory import AnonymousPeak, max_rss
+from pipeline.tensorboard import log_step, step_writer
 
 
 class MetricsLog:
     def __init__(self, path: Path, rank: int, resumed_at: int):
         self.path, self.rank = path, rank
         self.memory = AnonymousPeak(interval=0.05)
+        self.board = None
         if rank == 0:
             self._truncate(resumed_at)
             self.memory.start()  # a daemon thread: it samples until the rank exits
+            self.board = step_writer(path.parent, resumed_at)
 
     def _truncate(self, step: int) -> None:
         """Drop records a killed run wrote after its last checkpoint: the resumed run rewrites them."""
@@ -29,6 +33,16 @@ class MetricsLog:
         if self.rank == 0:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record | self.peaks()) + "\n")
+            log_step(self.board, record)
+
+    def flush(self) -> None:
+        """Event files up to date (at each checkpoint: what a kill loses is re-logged on resume)."""
+        if self.board is not None:
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def peaks(self) -> dict[str, float]:
         """Peak anonymous and total resident memory of this rank so far, and on a GPU its peak

@@ -125,8 +125,10 @@ def main(spec_path: str) -> None:
         branch.step()
         if checkpointer.due(branch.state):
             checkpointer.save(branch.state)
+            branch.metrics.flush()
 
     checkpointer.save_final(branch.engine.model, branch.engine.processor, branch.state)
+    branch.metrics.close()
     if branch.rank.rank == 0:
         out = Path(spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"branch {spec.name}")
