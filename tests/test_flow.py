@@ -16,6 +16,7 @@ import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText
 
 from flows.merit import joint, merit
@@ -154,6 +155,25 @@ def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(fi
     markdown = (run_dir / "report" / "report.md").read_text()
     assert "## Did the split pay off?" in markdown and "MERIT-2 − Random-2: loss " in markdown
     assert (run_dir / "report" / "quality.png").stat().st_size > 5_000
+
+
+def test_every_branch_and_model_has_its_tensorboard_run(finished_run):
+    """One TensorBoard run per training folder (warm-up, joint, branches, the control's) holding
+    the steps of its metrics.jsonl, and one per evaluated model: `tensorboard --logdir <run>`."""
+    run_dir, _ = finished_run
+    folders = ["warmup", "joint", "branches/0", "branches/1", "controls/random/branches/0"]
+    for folder in folders:
+        board = EventAccumulator(str(run_dir / folder / "tensorboard"))  # TensorBoard's own reader
+        board.Reload()
+        steps = [json.loads(line)["step"] for line in (run_dir / folder / "metrics.jsonl").read_text().splitlines()]
+        assert [e.step for e in board.Scalars("train/loss")] == steps, folder
+    for evaluation in (run_dir / "eval").glob("*.json"):
+        if evaluation.stem == "diagnostics":
+            continue
+        board = EventAccumulator(str(run_dir / "eval" / "tensorboard" / evaluation.stem))
+        board.Reload()
+        loss = json.loads(evaluation.read_text())["loss"]
+        assert [e.value for e in board.Scalars("heldout/loss")] == [pytest.approx(loss)], evaluation.stem
 
 
 def test_the_report_rebuilds_from_the_run_directory_with_its_controls(finished_run, tmp_path):
