@@ -4,6 +4,7 @@ markdown artifact per plot (``data:`` URIs: the UI is a web page that cannot ope
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -26,10 +27,15 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
     from pipeline.report.embed import embed_plots, png_data_uri
 
     built = build_report(run_dir)
+    encoded = functools.cache(png_data_uri)  # each plot encoded once, for the report and its own artifact
+
+    def uri(path: Path) -> str:
+        return encoded(Path(os.path.normpath(path)))
+
     run = Path(os.path.abspath(run_dir))  # not resolved: a warm-up linked from another run stays under this one
     folder = run / REPORT
     create_markdown_artifact(
-        embed_plots((folder / "report.md").read_text(), folder),
+        embed_plots((folder / "report.md").read_text(), folder, uri),
         key=artifact_key(run_name, "report"),
         description=f"MERIT report of {run_dir}",
     )
@@ -39,7 +45,7 @@ def report(run_dir: str, run_name: str) -> dict[str, Any]:
     for plot in built["plots"]:  # "heldout_loss.png", "../branches/0/loss.png", ...
         path = Path(os.path.normpath(folder / plot))
         name = str(path.relative_to(run).with_suffix(""))
-        image = png_data_uri(path)
+        image = uri(path)
         create_markdown_artifact(
             f"![{name}]({image})",
             key=artifact_key(run_name, "plot", name),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image
@@ -29,8 +30,8 @@ def png_data_uri(path: Path, max_width: int = MAX_WIDTH) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def embed_plots(markdown: str, folder: Path) -> str:
+def embed_plots(markdown: str, folder: Path, uri: Callable[[Path], str] = png_data_uri) -> str:
     """``markdown`` with every relative PNG, an image or a list item linking one, as an inline
-    image (paths relative to ``folder``)."""
-    markdown = LINK.sub(lambda m: f"- ![{m[1]}]({png_data_uri(folder / m[2])})", markdown)
-    return IMAGE.sub(lambda m: f"![{m[1]}]({png_data_uri(folder / m[2])})", markdown)
+    image (paths relative to ``folder``; ``uri`` encodes one)."""
+    markdown = LINK.sub(lambda m: f"- ![{m[1]}]({uri(folder / m[2])})", markdown)
+    return IMAGE.sub(lambda m: f"![{m[1]}]({uri(folder / m[2])})", markdown)
