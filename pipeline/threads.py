@@ -127,17 +127,20 @@ def map_chunks(
     restore = torch.get_num_threads()
 
     def run(part: list[slice]) -> list[T]:
-        # torch.set_num_threads sets this thread's OpenMP setting and the default of threads that
-        # start later: each worker puts the caller's back, so the pass leaves the default as it was.
+        # torch.set_num_threads sets this thread's OpenMP setting and the default that threads
+        # take at their first operation: take it now, then set one. The caller puts its own
+        # count back once every worker is done (a worker doing so could reach a sibling that
+        # had not started yet).
+        torch.get_num_threads()
         torch.set_num_threads(1)
-        try:
-            buffers = scratch()
-            return [fn(chunk, buffers) for chunk in part]
-        finally:
-            torch.set_num_threads(restore)
+        buffers = scratch()
+        return [fn(chunk, buffers) for chunk in part]
 
-    with ThreadPoolExecutor(len(runs)) as pool:
-        return [result for part in pool.map(run, runs) for result in part]
+    try:
+        with ThreadPoolExecutor(len(runs)) as pool:
+            return [result for part in pool.map(run, runs) for result in part]
+    finally:
+        torch.set_num_threads(restore)
 
 
 def fit_threads_to_model(parameters: int) -> int:

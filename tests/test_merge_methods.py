@@ -95,6 +95,8 @@ def test_kth_largest_abs_is_exact_when_the_sample_misleads():
     expected = torch.sort(x.abs(), dim=1, descending=True).values
     for k in (10, 300_000):
         assert torch.equal(kth_largest_abs(x, k), expected[:, k - 1])
+    frozen = torch.zeros(2, 1_500_000)  # one value throughout: the radix select, not a copy of the block
+    assert torch.equal(kth_largest_abs(frozen, 300_000), torch.zeros(2))
 
 
 def test_ties_is_exact_whatever_the_threads_and_blocks():

@@ -60,13 +60,18 @@ def wait_for(url: str, what: str, proc: subprocess.Popen, seconds: float = 180) 
 
 
 def started(argv: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the process's output until it stops)
-    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log or os.devnull, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """Its whole process group: TERM, then KILL if it lingers."""
     os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class DevTools:
@@ -83,6 +88,9 @@ class DevTools:
             if message.get("id") == self.next_id:
                 assert "error" not in message, message
                 return message["result"]
+
+    def close(self) -> None:
+        self.socket.close()
 
     def evaluate(self, expression: str) -> dict:
         return json.loads(self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"]["value"])
@@ -128,6 +136,7 @@ def test_the_report_artifact_shows_its_plots_and_headline_in_the_prefect_ui(full
                 time.sleep(1)
             screenshot = tools.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
             (tmp_path / "report-artifact.png").write_bytes(base64.b64decode(screenshot["data"]))
+            tools.close()
         finally:
             stop(browser)
     finally:

@@ -41,6 +41,8 @@ def step_seconds(cfg, run_dir: Path, steps: int) -> float:
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.steps <= FIRST_STEPS:
+        raise SystemExit(f"merit bench load: --steps must be over {FIRST_STEPS} (the first steps are not timed)")
     args.overrides = [*args.overrides, *width_overrides(args.size), "data.builtin.examples_per_source=16"]
     cfg, run_dir = resolve_run(args)
     init, run = str(run_dir / "init"), str(run_dir)

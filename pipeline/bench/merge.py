@@ -183,9 +183,10 @@ def median_of(repeats: int, measure) -> tuple[float, float, float]:
 @contextlib.contextmanager
 def busy_processes(n: int) -> Iterator[None]:
     """``n`` processes spinning on the CPU (pure Python: one core each) until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    time.sleep(0.5)  # let them start spinning
+    procs: list[subprocess.Popen] = []
     try:
+        procs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n))
+        time.sleep(0.5)  # let them start spinning
         yield
     finally:
         for proc in procs:
@@ -198,7 +199,9 @@ def timed_command(argv: list[str], repeats: int) -> float:
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            raise SystemExit(f"merit bench merge: {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 

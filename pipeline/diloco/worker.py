@@ -149,31 +149,33 @@ def main(job_path: str) -> None:
         for leftover in branch.checkpointer.folder.glob(".round*"):  # a payload a kill kept from its checkpoint
             shutil.rmtree(leftover, ignore_errors=True)
         publish(job, saved, branch.state.rounds - 1)  # saved before a kill, maybe not yet published
-    while branch.state.rounds < plan.rounds:
-        clock = Clock()
-        r = next_round(plan, branch.state.rounds, branch.spec.train.timeout_s, rank)
-        waited = clock.lap()
-        if r > 0:
-            set_weights(params, str(global_dir(plan, r)))
-        loaded, before = clock.lap(), branch.state
-        for _ in range(plan.inner_steps):
-            branch.step()
-        seconds = {"wait": waited, "load": loaded, "inner": clock.lap(), "launch": launch_s}
-        meta = {
-            "tokens": branch.state.tokens_seen - before.tokens_seen,
-            "examples": branch.state.examples_seen - before.examples_seen,
-            "steps": [before.step, branch.state.step],
-            "seconds": {k: round(v, 4) for k, v in seconds.items()},
-        }
-        pending = branch.checkpointer.folder / f".round{r}"
-        residual = write_payload(job, r, params, residual, pending, rank, **meta)
-        branch.state = replace(branch.state, rounds=r + 1)
-        branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
-        branch.metrics.flush()
-        if rank == 0:
-            publish(job, branch.checkpointer.latest(), r, save_s=round(clock.lap(), 4))
-        launch_s = 0.0
-    branch.metrics.close()
+    try:
+        while branch.state.rounds < plan.rounds:
+            clock = Clock()
+            r = next_round(plan, branch.state.rounds, branch.spec.train.timeout_s, rank)
+            waited = clock.lap()
+            if r > 0:
+                set_weights(params, str(global_dir(plan, r)))
+            loaded, before = clock.lap(), branch.state
+            for _ in range(plan.inner_steps):
+                branch.step()
+            seconds = {"wait": waited, "load": loaded, "inner": clock.lap(), "launch": launch_s}
+            meta = {
+                "tokens": branch.state.tokens_seen - before.tokens_seen,
+                "examples": branch.state.examples_seen - before.examples_seen,
+                "steps": [before.step, branch.state.step],
+                "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            }
+            pending = branch.checkpointer.folder / f".round{r}"
+            residual = write_payload(job, r, params, residual, pending, rank, **meta)
+            branch.state = replace(branch.state, rounds=r + 1)
+            branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
+            branch.metrics.flush()
+            if rank == 0:
+                publish(job, branch.checkpointer.latest(), r, save_s=round(clock.lap(), 4))
+            launch_s = 0.0
+    finally:
+        branch.metrics.close()  # the event files, up to the failure
     if rank == 0:
         out = Path(branch.spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"DiLoCo worker {branch.spec.name}")

@@ -121,14 +121,15 @@ def main(spec_path: str) -> None:
     die_with_parent()  # a killed launcher takes its ranks with it
     branch = Branch.start(BranchSpec.load(spec_path))
     spec, checkpointer = branch.spec, branch.checkpointer
-    while branch.state.step < spec.train.steps:
-        branch.step()
-        if checkpointer.due(branch.state):
-            checkpointer.save(branch.state)
-            branch.metrics.flush()
-
-    checkpointer.save_final(branch.engine.model, branch.engine.processor, branch.state)
-    branch.metrics.close()
+    try:
+        while branch.state.step < spec.train.steps:
+            branch.step()
+            if checkpointer.due(branch.state):
+                checkpointer.save(branch.state)
+                branch.metrics.flush()
+        checkpointer.save_final(branch.engine.model, branch.engine.processor, branch.state)
+    finally:
+        branch.metrics.close()  # the event files, up to the failure
     if branch.rank.rank == 0:
         out = Path(spec.out_dir)
         plot_loss(out / "metrics.jsonl", out / "loss.png", title=f"branch {spec.name}")

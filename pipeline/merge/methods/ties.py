@@ -42,6 +42,7 @@ CPU_CHUNK_ENTRIES = 1 << 19  # entries per step on CPU: 2 MB fp32 buffers stay i
 GPU_CHUNK_ENTRIES = 1 << 25  # entries per step on a GPU: each buffer ≤ 128 MB in fp32
 SAMPLE = 1 << 16  # entries per row of the strided sample that brackets the threshold
 SPREAD = 6.0  # bracket half-width in standard deviations of the sample's rank
+MAX_INSIDE = 0.25  # share of a sampled row inside the bracket above which the radix select runs instead
 
 
 def _chunks(flat: torch.Tensor) -> list[slice]:
@@ -96,6 +97,8 @@ def _bracketed(x: torch.Tensor, k: int) -> torch.Tensor | None:
     bottom = min(m, math.ceil(expected + spread))
     hi = sample.kthvalue(m - top + 1, dim=1, keepdim=True).values
     lo = sample.kthvalue(m - bottom + 1, dim=1, keepdim=True).values
+    if float(((sample >= lo) & (sample <= hi)).float().mean(1).max()) > MAX_INSIDE:
+        return None  # many equal values (a frozen tensor's zeros): collecting them would copy the block
 
     def count(cols: slice, buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, over, within = (_view(b, x[:, cols]) for b in buffers)  # float indicators: faster than bool
@@ -186,7 +189,7 @@ def ties(
             chunk = flat[:, cols]
             weighted = _weigh(_trim(chunk, threshold, _view(buffers[0], chunk)), w, _view(buffers[0], chunk))
             sign = out[start + cols.start : start + cols.stop]
-            return float(torch.sign(weighted.sum(0), out=sign).sum())  # an integer under 2^24: exact
+            return float(torch.sign(weighted.sum(0), out=sign).sum(dtype=torch.float64))  # exact
 
         return chunk_signs
 
