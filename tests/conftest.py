@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -144,3 +146,13 @@ def processes_of(spec_path: Path) -> list[int]:
         if str(spec_path) in args:
             pids.append(int(pid))
     return pids
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """A process started with ``start_new_session`` and all it started: TERM, then KILL if it lingers."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from conftest import stop_process_group
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -77,11 +78,7 @@ def server(tmp_path_factory):
         prefect(env, "deploy", "--name", "demo", "--name", "diloco-demo", "--name", "branch-local")
         yield env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
         log.close()
 
 

@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import stop_process_group
 from test_report import full_run  # noqa: F401  (a finished run's directory, written without training)
 from websockets.sync.client import connect
 
@@ -62,16 +62,6 @@ def wait_for(url: str, what: str, proc: subprocess.Popen, seconds: float = 180) 
 def started(argv: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     with open(log or os.devnull, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Its whole process group: TERM, then KILL if it lingers."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 class DevTools:
@@ -138,9 +128,9 @@ def test_the_report_artifact_shows_its_plots_and_headline_in_the_prefect_ui(full
             (tmp_path / "report-artifact.png").write_bytes(base64.b64decode(screenshot["data"]))
             tools.close()
         finally:
-            stop(browser)
+            stop_process_group(browser)
     finally:
-        stop(server)
+        stop_process_group(server)
     assert len(shown["images"]) == expected_images and all(width > 0 for _, width in shown["images"])
     assert any(headline in table for table in shown["tables"])  # the headline table, rendered as a table
     assert (tmp_path / "report-artifact.png").stat().st_size > 20_000
