@@ -35,7 +35,7 @@ def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan,
 
 def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
     """Sources on the first two principal axes of the conflict matrix, coloured by group."""
-    scores, explained = principal_axes(conflicts, min(2, len(sources)))
+    scores, explained = principal_axes(conflicts, min(2, len(sources)), plan.pca != "uncentred")
     if scores.shape[1] == 1:
         scores = torch.cat([scores, torch.zeros_like(scores)], 1)
         explained.append(0.0)
@@ -58,11 +58,12 @@ def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path
     return _save(fig, path)
 
 
-def plot_explained_variance(conflicts: torch.Tensor, r: int | None, path: Path) -> Path:
-    values = torch.linalg.eigvalsh(conflicts.double()).flip(0).clamp_min(0)
-    share = (values / values.sum())[:12].numpy()
+def plot_explained_variance(conflicts: torch.Tensor, plan: SplitPlan, path: Path) -> Path:
+    """The share of each principal axis of the conflict matrix, as the split computed them."""
+    r = plan.r
+    share = principal_axes(conflicts, len(conflicts), plan.pca != "uncentred")[1][:12]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar(range(1, len(share) + 1), 100 * share, color="tab:blue")
+    bars = ax.bar(range(1, len(share) + 1), [100 * v for v in share], color="tab:blue")
     for bar in bars[: r or 0]:
         bar.set_color("tab:orange")
     ax.set_xlabel("principal axis of the conflict matrix")

@@ -1,10 +1,12 @@
 """Conflicts and the split plan (MERIT steps 3–4).
 
 C = cosine similarities of the per-source gradients (optionally centred first). Each source gets
-r scores from the top-r eigenvectors of C; the sources are split recursively at the token-
-weighted median along axis 1, then each half along axis 2, and so on: K = 2^r groups with
-balanced training tokens. ``random`` is the Random-K control (random scores, same procedure,
-so token balance is the same); ``given`` takes the groups from the config.
+r scores on the principal axes of C: by default, as the paper does, PCA of the column-centred C
+(each source's row of cosines an observation; its scores the top-r components), or the top-r
+eigenvectors of the uncentred C. The sources are split recursively at the weighted median along
+axis 1, then each half along axis 2, and so on: K = 2^r groups balanced by training examples
+(the paper's text) or tokens (its project page). ``random`` is the Random-K control (random
+scores, same procedure, so the balance is the same); ``given`` takes the groups from the config.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class SplitPlan:
     method: str
     seed: int
     scores: dict[str, list[float]] = field(default_factory=dict)  # per source, one per axis
+    pca: str | None = None  # centred | uncentred (method pca)
+    balance: str = "tokens"  # what the median split balances: tokens | samples
 
     def save(self, path: str | Path) -> None:
         write_json_atomic(Path(path), asdict(self))
@@ -49,19 +53,27 @@ class SplitPlan:
         return {source: k for k, group in enumerate(self.groups) for source in group}
 
 
-def principal_axes(conflicts: torch.Tensor, r: int) -> tuple[torch.Tensor, list[float]]:
-    """Top-r eigenvectors of C (S × r, sign fixed so each axis' largest entry is positive) and
-    the share of C's spectrum each explains."""
-    values, vectors = torch.linalg.eigh(conflicts.double())
-    order = values.argsort(descending=True)
-    values, vectors = values[order], vectors[:, order]
-    vectors = vectors * torch.sign(vectors.gather(0, vectors.abs().argmax(0, keepdim=True)))
-    total = values.clamp_min(0).sum()
-    return vectors[:, :r].float(), (values[:r].clamp_min(0) / total).tolist()
+def principal_axes(conflicts: torch.Tensor, r: int, centred: bool = True) -> tuple[torch.Tensor, list[float]]:
+    """Each source's scores on the top-r principal axes of C (S × r, sign fixed so each axis'
+    largest entry is positive) and the share of variance (centred) or of C's spectrum each
+    explains. Centred: PCA of C with its columns centred, the scores U_r S_r of its SVD (when all
+    cosines are positive, the uncentred first axis ranks sources by how typical they are rather
+    than by how they conflict). Uncentred: the top-r eigenvectors of C."""
+    c = conflicts.double()
+    if centred:
+        u, s, _ = torch.linalg.svd(c - c.mean(0, keepdim=True))
+        scores, spread = u * s, s**2
+    else:
+        values, vectors = torch.linalg.eigh(c)
+        order = values.argsort(descending=True)
+        scores, spread = vectors[:, order], values[order].clamp_min(0)
+    scores = scores * torch.sign(scores.gather(0, scores.abs().argmax(0, keepdim=True)))
+    return scores[:, :r].float(), (spread[:r] / spread.sum()).tolist()
 
 
-def median_split(sources: list[str], scores: torch.Tensor, tokens: dict[str, int]) -> list[list[str]]:
-    """Split recursively along each score axis at the token-weighted median: 2^axes groups."""
+def median_split(sources: list[str], scores: torch.Tensor, weights: dict[str, int]) -> list[list[str]]:
+    """Split recursively along each score axis at the weighted median (tokens or samples of each
+    source): 2^axes groups."""
     groups = [list(range(len(sources)))]
     for axis in range(scores.shape[1]):
         halves = []
@@ -72,8 +84,8 @@ def median_split(sources: list[str], scores: torch.Tensor, tokens: dict[str, int
                     f"2^r groups need more sources (or fewer, more balanced ones per group)"
                 )
             ranked = sorted(group, key=lambda i: (float(scores[i, axis]), sources[i]))
-            cumulative = torch.tensor([tokens[sources[i]] for i in ranked], dtype=torch.float64).cumsum(0)
-            # The cut closest to half the group's tokens, keeping both sides non-empty.
+            cumulative = torch.tensor([weights[sources[i]] for i in ranked], dtype=torch.float64).cumsum(0)
+            # The cut closest to half the group's weight, keeping both sides non-empty.
             cut = 1 + int((cumulative[:-1] - cumulative[-1] / 2).abs().argmin())
             halves += [ranked[:cut], ranked[cut:]]
         groups = halves
@@ -88,10 +100,13 @@ def plan_split(
     conflicts: torch.Tensor | None = None,
     seed: int = 0,
     groups: list[list[str]] | None = None,
+    pca: str = "centred",
+    sample_counts: dict[str, int] | None = None,
 ) -> SplitPlan:
-    missing = sorted(set(sources) - set(token_counts))
+    """The split of ``sources`` into groups; balanced by ``sample_counts`` when given, else by tokens."""
+    missing = sorted(set(sources) - set(token_counts) | (set(sources) - set(sample_counts or token_counts)))
     if missing:
-        raise SplitError(f"no token counts for sources {missing}")
+        raise SplitError(f"no token or sample counts for sources {missing}")
     if method == "given":
         return _given(sources, token_counts, groups or [], seed)
     if r is None or r < 1:
@@ -101,13 +116,15 @@ def plan_split(
     if method == "pca":
         if conflicts is None:
             raise SplitError("the pca split needs the conflict matrix")
-        scores, explained = principal_axes(conflicts, r)
+        if pca not in ("centred", "uncentred"):
+            raise SplitError(f"unknown pca '{pca}' (centred, uncentred)")
+        scores, explained = principal_axes(conflicts, r, pca == "centred")
     elif method == "random":
         g = torch.Generator().manual_seed(seed)
         scores, explained = torch.rand(len(sources), r, generator=g), []
     else:
         raise SplitError(f"unknown split method '{method}' (pca, random, given)")
-    split = median_split(sources, scores, token_counts)
+    split = median_split(sources, scores, sample_counts or token_counts)
     return SplitPlan(
         split,
         [sum(token_counts[s] for s in g) for g in split],
@@ -116,6 +133,8 @@ def plan_split(
         method,
         seed,
         {s: scores[i].tolist() for i, s in enumerate(sources)},
+        pca if method == "pca" else None,
+        "samples" if sample_counts else "tokens",
     )
 
 

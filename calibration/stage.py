@@ -74,10 +74,12 @@ class _Estimator:
                 checkpointing=self.cfg.train.gradient_checkpointing,  # the branches' memory trade
             )
 
-    def split(self, grads: SourceGradients, tokens: dict[str, int]) -> tuple[torch.Tensor, SplitPlan]:
+    def split(
+        self, grads: SourceGradients, tokens: dict[str, int], samples: dict[str, int] | None
+    ) -> tuple[torch.Tensor, SplitPlan]:
         c = self.cfg.calibration
         conflicts = conflict_matrix(grads.matrix, c.centre)
-        plan = plan_split(grads.sources, tokens, c.r, c.method, conflicts, self.cfg.run.seed, c.groups)
+        plan = plan_split(grads.sources, tokens, c.r, c.method, conflicts, self.cfg.run.seed, c.groups, c.pca, samples)
         return conflicts, plan
 
 
@@ -91,9 +93,9 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
         return summary
     start = time.perf_counter()
     manifest = read_manifest(run_dir)
-    tokens = {name: info["train_tokens"] for name, info in active_sources(manifest).items()}
+    tokens, samples = split_weights(cfg, manifest)
     if cfg.calibration.method != "pca" and not diagnostics:
-        return _split_without_gradients(cfg, tokens, out, digest, start)
+        return _split_without_gradients(cfg, tokens, samples, out, digest, start)
     estimator = _Estimator(cfg, run_dir)
     train = load_split(cfg, run_dir, "train")
     sample, notes = calibration_sample(train, cfg.calibration.n_per_source, cfg.run.seed)
@@ -102,13 +104,13 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
     grads = estimator.gradients(sample)
     grads.notes = notes
     grads.save(out)
-    conflicts, plan = estimator.split(grads, tokens)
+    conflicts, plan = estimator.split(grads, tokens, samples)
     plan.save(out / "split.json")
     write_json_atomic(out / "conflicts.json", {"sources": grads.sources, "cosine": conflicts.tolist()})
     plots = [
         plot_conflicts(conflicts, grads.sources, plan, out / "conflicts.png"),
         plot_axes(conflicts, grads.sources, plan, out / "axes.png"),
-        plot_explained_variance(conflicts, plan.r, out / "explained_variance.png"),
+        plot_explained_variance(conflicts, plan, out / "explained_variance.png"),
     ]
     summary = {
         "config_digest": digest,
@@ -125,18 +127,27 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
         "plots": [str(p.relative_to(run_dir)) for p in plots],
     }
     if diagnostics:
-        summary["diagnostics"] = run_diagnostics(cfg, estimator, train, tokens, plan, out)
+        summary["diagnostics"] = run_diagnostics(cfg, estimator, train, (tokens, samples), plan, out)
     write_json_atomic(summary_path, summary)
     return summary
 
 
+def split_weights(cfg: RunConfig, manifest: dict[str, Any]) -> tuple[dict[str, int], dict[str, int] | None]:
+    """Each fine-tuning source's training tokens, and its training examples when the split
+    balances samples (``calibration.balance``)."""
+    sources = active_sources(manifest)
+    tokens = {name: info["train_tokens"] for name, info in sources.items()}
+    samples = {name: info["train_examples"] for name, info in sources.items()}
+    return tokens, samples if cfg.calibration.balance == "samples" else None
+
+
 def _split_without_gradients(
-    cfg: RunConfig, tokens: dict[str, int], out: Path, digest: str, start: float
+    cfg: RunConfig, tokens: dict[str, int], samples: dict[str, int] | None, out: Path, digest: str, start: float
 ) -> dict[str, Any]:
     """The random (Random-K control) and given splits need no gradients: at 7B that saves the
     calibration's model load and passes, which a control would only repeat."""
     c = cfg.calibration
-    plan = plan_split(list(tokens), tokens, c.r, c.method, None, cfg.run.seed, c.groups)
+    plan = plan_split(list(tokens), tokens, c.r, c.method, None, cfg.run.seed, c.groups, c.pca, samples)
     plan.save(out / "split.json")
     summary = {
         "config_digest": digest,
@@ -155,7 +166,7 @@ def run_diagnostics(
     cfg: RunConfig,
     estimator: _Estimator,
     train: dict[str, list[Example]],
-    tokens: dict[str, int],
+    weights: tuple[dict[str, int], dict[str, int] | None],
     plan: SplitPlan,
     out: Path,
 ) -> dict[str, Any]:
@@ -168,7 +179,7 @@ def run_diagnostics(
     for b in range(c.resamples):
         rng = random.Random(f"{seed}/bootstrap/{b}")
         sample = {name: rng.choices(items, k=min(c.n_per_source, len(items))) for name, items in train.items()}
-        _, resampled = estimator.split(estimator.gradients(sample, f"stability {b + 1}/{c.resamples}"), tokens)
+        _, resampled = estimator.split(estimator.gradients(sample, f"stability {b + 1}/{c.resamples}"), *weights)
         other = resampled.group_of()
         aris.append(adjusted_rand_score([main[s] for s in main], [other[s] for s in main]))
     reference, _ = calibration_sample(train, c.reference_n, seed + 1)

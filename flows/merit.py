@@ -23,6 +23,7 @@ from flows.progress import BranchProgress
 from flows.report import artifact_key, report
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
+from pipeline.eval.benchmarks import benchmarked
 from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
 from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
@@ -103,13 +104,21 @@ def train_branches(cfg: RunConfig, run_dir: str, jobs: list[Job], progress_key: 
 
 
 def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
-    """Evaluate every model of the run and of its controls, their diagnostics, then the report.
-    A control's θ0 is the run's (linked): evaluated once, with the run."""
+    """Evaluate every model of the run and of its controls (held-out figures, then the lmms-eval
+    benchmarks), their diagnostics, then the report. A control's θ0 is the run's (linked):
+    evaluated once, with the run."""
+    benchmark = None  # one model's lmms-eval process runs beside the next model's held-out evaluation
     for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
         for model, checkpoint in run_models(tasks.run_config(where), where).items():
             if where == run_dir or model != "theta0":
                 tasks.evaluate(where, model, checkpoint)
+                if benchmarked(cfg, model):
+                    if benchmark:
+                        benchmark.result()
+                    benchmark = tasks.benchmark.submit(where, model, checkpoint)
         tasks.diagnose(where)
+    if benchmark:
+        benchmark.result()
     done = report(run_dir, cfg.run.name)
     get_run_logger().info(f"report: {done['report']}")
     return done["report"]

@@ -147,6 +147,15 @@ def evaluate(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
     return {k: result[k] for k in ("model", "loss", "macro_loss", "token_accuracy", "accuracy", "roles") if k in result}
 
 
+@task(name="benchmark", task_run_name="benchmark-{model}")
+def benchmark(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
+    """The lmms-eval benchmarks of one model (a process of its own); returns its scores (0–100)."""
+    from pipeline.eval.benchmarks import run_benchmarks
+
+    result = run_benchmarks(run_config(run_dir), run_dir, model, checkpoint)
+    return {"model": model, "average": result["average"], **{t: s["score"] for t, s in result["tasks"].items()}}
+
+
 @task(name="diagnose")
 def diagnose(run_dir: str) -> dict[str, Any]:
     """The loss barrier between the branches and every model's distance from θ0; returns the mean

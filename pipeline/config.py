@@ -127,6 +127,8 @@ class BuiltinSection(Section):
     # cued: each source of a conflicting pair has its own instruction, so one model can satisfy
     # both; contradictory: the same question gets different answers in the two sources.
     conflicts: Literal["cued", "contradictory"] = "cued"
+    # questions per toy benchmark task (eval.benchmarks naming toy_* tasks): one is 0.5 % of a score
+    benchmark_examples: int = Field(200, ge=1)
 
 
 class DataSection(Section):
@@ -153,7 +155,11 @@ class CalibrationSection(Section):
     matrices_only: bool = True
     sketch: Literal["stride", "projection"] = "projection"  # measured: README, "Calibration"
     dim: int = Field(16384, ge=16)
-    centre: bool = False
+    centre: bool = False  # subtract the mean gradient before the cosines
+    # The principal axes of C: PCA of the column-centred C (the paper's) or eigenvectors of C itself.
+    pca: Literal["centred", "uncentred"] = "centred"
+    # What the split's halves balance: training examples (the paper's text) or tokens (its project page).
+    balance: Literal["samples", "tokens"] = "samples"
     r: int = Field(1, ge=1)
     method: Literal["pca", "random", "given"] = "pca"
     groups: list[list[str]] | None = None  # for method: given
@@ -294,8 +300,18 @@ class DilocoSection(Section):
         return self
 
 
+class JudgeSection(Section):
+    """The judge model of the benchmarks scored by a model (LLaVA-W, MM-Vet, MathVista's answer
+    extraction): any OpenAI-compatible server, e.g. a local vLLM."""
+
+    base_url: str  # e.g. http://localhost:8000/v1
+    model: str  # the judge's model name on that server, e.g. gpt-4o-2024-08-06
+    api_key_env: str = "OPENAI_API_KEY"  # the environment variable that holds its key
+
+
 class EvalSection(Section):
-    """Held-out evaluation of every model of a run: loss, and exact-match accuracy of greedy answers."""
+    """Evaluation of every model of a run: held-out loss and exact-match accuracy of greedy answers
+    on the prepared sources, and lmms-eval benchmarks that none of the models trained on."""
 
     batch_size: int = Field(16, ge=1)
     max_examples_per_source: int | None = Field(None, ge=1)  # default: the whole held-out split
@@ -304,6 +320,22 @@ class EvalSection(Section):
     accuracy: bool = True  # exact-match accuracy by batched greedy generation
     max_new_tokens: int = Field(32, ge=1)  # per generated answer
     barrier_points: int = Field(3, ge=0)  # interior points of the loss barrier between branches (0: none)
+    # lmms-eval tasks run on every model (θ0, joint, merges, controls' merges, DiLoCo finals): real
+    # ones (seedbench, mmbench_en_dev, ai2d, textvqa_val, mmmu_val, mathvista_testmini,
+    # llava_in_the_wild, mmvet) with their data in the Hugging Face cache, the built-in corpus's
+    # toy_* tasks (written by prepare), or tasks of your own under include_path.
+    benchmarks: list[str] = []
+    include_path: list[str] = []  # folders of extra lmms-eval task YAML files
+    judge: JudgeSection | None = None  # required by the judged tasks (llava_in_the_wild, mmvet, mathvista_*)
+    benchmark_limit: int | None = Field(None, ge=1)  # examples per task (lmms-eval --limit); default all
+    benchmark_batch_size: int = Field(8, ge=1)
+    benchmark_timeout_s: int = Field(6 * 3600, ge=1)  # one model's lmms-eval process
+    benchmark_branches: bool = False  # also run the benchmarks on every branch
+
+    @model_validator(mode="after")
+    def _unique_benchmarks(self) -> EvalSection:
+        require_unique(self.benchmarks, "eval.benchmarks task")
+        return self
 
 
 class FlowSection(Section):

@@ -32,10 +32,18 @@ class ModelNotFoundError(ConfigError):
 
 def hub_cache() -> Path:
     """The hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
-    if cache := os.environ.get("HF_HUB_CACHE"):
-        return Path(cache)
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home) / "hub"
+    return Path(os.environ.get("HF_HUB_CACHE") or _hf_home() / "hub")
+
+
+def datasets_cache() -> Path:
+    """Where ``datasets`` keeps the data sets it built, as the environment names it now."""
+    return Path(os.environ.get("HF_DATASETS_CACHE") or _hf_home() / "datasets")
+
+
+def _hf_home() -> Path:
+    return Path(
+        os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    )
 
 
 def offline() -> bool:

@@ -28,6 +28,7 @@ def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict
     ``diloco``: the run is the DiLoCo flow's (its workers' settings are checked too)."""
     checked, problems = {}, []
     checks = [("θ0", _theta0), ("data", _data), ("deepspeed", _deepspeed), ("merges", _merges), ("devices", _devices)]
+    checks.append(("benchmarks", _benchmarks))
     for name, check in checks + ([("diloco", _diloco)] if diloco else []):
         try:
             checked[name] = check(cfg, run_dir)
@@ -113,6 +114,12 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
     if gpus and not cfg.flow.branch_deployment and cfg.train.processes > gpus:
         raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
     return f"{gpus} GPU(s)" if gpus else "CPU only"
+
+
+def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
+    from pipeline.eval.benchmarks import check_benchmarks
+
+    return check_benchmarks(cfg)
 
 
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:

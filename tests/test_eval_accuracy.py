@@ -62,7 +62,7 @@ def memorised(run, tmp_path_factory):
     """A checkpoint that has learnt the fine-tuning sources' held-out examples by heart."""
     cfg, run_dir = run
     examples = [ex for items in load_split(cfg, run_dir, "heldout", TRAINED).values() for ex in items]
-    model = train(cfg, str(run_dir / "init"), examples, steps=300)
+    model = train(cfg, str(run_dir / "init"), examples, steps=500)
     processor = load_processor(run_dir / "init", cfg.model)
     return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("memorised") / "final", model, processor))
 

@@ -35,7 +35,10 @@ OVERRIDES = [
     "merge.fisher_examples=4",
     "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}, "
     "{name: fisher, method: fisher}]",
+    "eval.benchmarks=[toy_perception, toy_describe]",
+    "data.builtin.benchmark_examples=8",
 ]
+NO_BENCHMARKS = "eval.benchmarks=[]"  # for flows whose evaluation another test checks
 MERGES = ["token_average", "iso_c", "fisher"]
 
 
@@ -124,6 +127,38 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
     assert (run_dir / "report" / "report.md").read_text().count("](heldout_loss.png)") == 1  # the file keeps its links
 
 
+def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(finished_run):
+    """θ0, the joint baseline and every merge on both splits (not the branches), each scored by
+    lmms-eval in a process of its own, its results file kept; the report's first table."""
+    run_dir, state = finished_run
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    rows = {(r["model"], r["split"]): r for r in report["benchmarks"]["rows"]}
+    merges = [(f"merged-{m}", split) for m in MERGES for split in ("MERIT-2", "Random-2")]
+    assert set(rows) == {("theta0", "—"), ("joint", "—"), *merges}
+    for (model, split), row in rows.items():
+        folder = (run_dir / "controls" / "random" if split == "Random-2" else run_dir) / "eval" / "benchmarks" / model
+        (results,) = folder.rglob("*_results.json")  # lmms-eval's own
+        lmms = json.loads(results.read_text())["results"]
+        assert row["toy_perception"] == pytest.approx(100 * lmms["toy_perception"]["accuracy,none"])
+        assert row["toy_describe"] == pytest.approx(100 * lmms["toy_describe"]["token_f1,none"])
+        assert row["average"] == pytest.approx((row["toy_perception"] + row["toy_describe"]) / 2)
+        if model != "joint":
+            assert row["vs_joint"] == pytest.approx(row["average"] - rows[("joint", "—")]["average"])
+        if split == "MERIT-2":
+            assert row["vs_control"] == pytest.approx(row["average"] - rows[(model, "Random-2")]["average"])
+    markdown = (run_dir / "report" / "report.md").read_text()
+    assert markdown.split("\n## ")[1].startswith("Benchmarks")  # the first section
+    assert "sources: 18 fine-tuning, 15 warm-up (θ0), 5 unseen." in markdown  # by role, none dropped
+    assert "`toy_describe` (LLaVA-in-the-Wild)" in markdown and "Best merge on MERIT-2: **" in markdown
+    assert (run_dir / "report" / "benchmarks.png").stat().st_size > 5_000
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    table = next(a for a in artifacts if a.key == "demo-benchmarks")
+    assert table.type == "table" and "toy_describe" in json.dumps(table.data)
+
+
 def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(finished_run):
     run_dir, _ = finished_run
     control = run_dir / "controls" / "random"
@@ -197,6 +232,7 @@ def test_a_rerun_redoes_nothing(finished_run):
         *run_dir.glob("eval/*.json"),
         *run_dir.glob("controls/random/branches/*/final/manifest.json"),
         *run_dir.glob("controls/random/eval/*.json"),
+        *run_dir.glob("**/eval/benchmarks/*/scores.json"),
         *run_dir.glob("**/train.log"),
     ]
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs}
@@ -222,7 +258,7 @@ def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_
     pointer = run_dir / "branches" / "1" / "checkpoints" / "latest.json"
     pointer.parent.mkdir(parents=True)
     pointer.write_text(json.dumps({"tag": "step999", "step": 999}))  # names a checkpoint that is not there
-    state = run_flow(run_dir, "flow.branch_retries=1")
+    state = run_flow(run_dir, "flow.branch_retries=1", NO_BENCHMARKS)
     assert state.is_failed() and "1 branch(es) failed for good: branch 1: training exit code 1" in state.message
     log = (run_dir / "branches" / "1" / "train.log").read_text()
     assert log.count("names step999, which cannot be loaded") == 2  # the first attempt and its retry
@@ -231,7 +267,7 @@ def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_
 
     stamp = finished.stat().st_mtime_ns
     pointer.unlink()  # the cause is fixed: a re-run trains branch 1 only
-    assert run_flow(run_dir).is_completed()
+    assert run_flow(run_dir, NO_BENCHMARKS).is_completed()
     assert finished.stat().st_mtime_ns == stamp and is_complete(run_dir / "branches" / "1" / "final")
 
 

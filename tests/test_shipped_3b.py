@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.config import load_config
 from pipeline.merge import CheckpointReader
 from pipeline.models import build_tiny_model
+from pipeline.preflight import PreflightError, check_run
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen2_5_vl_3b.yaml"
@@ -49,6 +51,10 @@ def overrides(annotation: Path, images: Path) -> list[str]:
         "eval.max_examples_per_source=2",
         "flow.retry_delay_s=0",
         "merge.device=cpu",  # the device
+        # The paper's 8 benchmarks need their data and a judge (test_preflight_names_...): the same
+        # evaluation path on a toy stand-in, 8 questions.
+        "eval.benchmarks=[toy_perception]",
+        "data.builtin.benchmark_examples=8",
     ]
 
 
@@ -94,6 +100,39 @@ def shipped(prefect_api, tmp_path_factory):
     return run_dir, snapshot, settings, killed
 
 
+PAPER_DATA = {  # the paper's 8 benchmarks and the data each reads, as lmms-eval's tasks name it
+    "seedbench": "lmms-lab-encoder/SEED-Bench",
+    "mmbench_en_dev": "lmms-lab-encoder/MMBench",
+    "ai2d": "lmms-lab-encoder/ai2d",
+    "textvqa_val": "lmms-lab-encoder/textvqa",
+    "mmmu_val": "lmms-lab-encoder/MMMU",
+    "mathvista_testmini": "AI4Math/MathVista",
+    "llava_in_the_wild": "lmms-lab-encoder/llava-bench-in-the-wild",
+    "mmvet": "lmms-lab-encoder/MMVet",
+}
+
+
+def test_preflight_names_every_benchmark_without_data_and_the_judge_without_its_key(tmp_path, monkeypatch):
+    """The shipped benchmarks as they are: offline, none of their data in the cache, no judge key."""
+    annotation, images = vision_flan_corpus(tmp_path / "vision-flan", TASKS[:2], per_task=2)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    settings = overrides(annotation, images)[:-2]  # the shipped eval.benchmarks
+    cfg = load_config(CONFIG, settings)
+    assert cfg.eval.benchmarks == list(PAPER_DATA) and cfg.eval.judge is not None
+    with pytest.raises(PreflightError) as refused:
+        check_run(cfg, tmp_path / "run")
+    benchmarks = next(line for line in str(refused.value).splitlines() if "benchmarks:" in line)
+    for task, dataset in PAPER_DATA.items():
+        assert f"task '{task}': its data {dataset} is not in the Hugging Face cache" in benchmarks, task
+        assert f"hf download {dataset} --repo-type dataset" in benchmarks
+    judged = "['mmbench_en_dev', 'mathvista_testmini', 'llava_in_the_wild', 'mmvet']"
+    assert f"{judged} need the judge's key in $OPENAI_API_KEY" in benchmarks
+    with pytest.raises(PreflightError, match=re.escape(f"{judged} are scored by a judge model: set eval.judge")):
+        check_run(load_config(CONFIG, [*settings, "eval.judge=null"]), tmp_path / "run")
+
+
 def test_the_shipped_config_runs_from_the_hub_snapshot_in_bf16_and_survives_a_killed_branch(shipped):
     run_dir, snapshot, settings, killed = shipped
     ran = load_config(run_dir / "config.yaml")
@@ -137,4 +176,6 @@ def test_the_shipped_config_runs_from_the_hub_snapshot_in_bf16_and_survives_a_ki
         *(f"merged-{m}" for m in ("token_average", "iso_c", "ties", "fisher")),
     }
     assert {m["name"] for m in report["models"]} == expected and "problems" not in report
+    benchmarked = {r["model"] for r in report["benchmarks"]["rows"]}  # lmms-eval on the bf16 models, branches aside
+    assert benchmarked == expected - {"branch-0", "branch-1"}
     assert report["budget"]["epochs"] == 1.0

@@ -237,6 +237,80 @@ def _upper(rng: random.Random, size: int) -> Draw:
     return None, f"Write in capital letters: {word}", {"word": word}
 
 
+# Question formats of instruction-tuned models, that the benchmark suite asks about its own scenes
+# (pipeline.data.benchmark): multiple choice answered by a letter, and detailed descriptions.
+LETTERS = "ABCD"
+CHOICE_PROMPT = "Answer with the option's letter from the given choices directly."  # MMBench's, in lmms-eval
+PLACES = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75)}
+SHAPE_OPTIONS = (*SHAPES, "hexagon")  # a fourth kind, never drawn, as a distractor
+
+
+def _options(rng: random.Random, scene: Scene, question: str, truth: str, pool: tuple[str, ...]) -> Draw:
+    """A four-option question: the truth and three distractors from ``pool``, shuffled; its facts
+    are the options and the letter of the truth."""
+    options = [truth, *rng.sample(sorted(set(pool) - {truth}), len(LETTERS) - 1)]
+    rng.shuffle(options)
+    listed = "\n".join(f"{letter}. {option}" for letter, option in zip(LETTERS, options))
+    facts = {"options": options, "letter": LETTERS[options.index(truth)]}
+    return scene, f"{question}\n{listed}\n{CHOICE_PROMPT}", facts
+
+
+def _choice(rng: random.Random, size: int) -> Draw:
+    """One shape; its colour, kind or place as a multiple-choice question (SeedBench, MMBench)."""
+    place = rng.choice(sorted(PLACES))
+    shape = _one_shape(rng, *PLACES[place])
+    scene = Scene(size, (shape,))
+    asked = rng.choice(("colour", "kind", "place"))
+    if asked == "colour":
+        return _options(rng, scene, "What colour is the shape?", shape.colour, tuple(COLOURS))
+    if asked == "kind":
+        return _options(rng, scene, "What shape is in the picture?", shape.kind, SHAPE_OPTIONS)
+    return _options(rng, scene, "Where is the shape in the image?", place, tuple(PLACES))
+
+
+def _two_shapes(rng: random.Random, size: int) -> tuple[Scene, Shape, Shape]:
+    """A small and a large shape, left and right in random order, of different colours."""
+    small, large = rng.uniform(0.07, 0.11), rng.uniform(0.16, 0.21)
+    left_r, right_r = (small, large) if rng.random() < 0.5 else (large, small)
+    left = _one_shape(rng, *PLACES["left"], radius=left_r)
+    right = Shape(rng.choice(SHAPES), rng.choice(sorted(set(COLOURS) - {left.colour})), 0.75, 0.5, right_r)
+    return Scene(size, (left, right)), left, right
+
+
+def _relation_choice(rng: random.Random, size: int) -> Draw:
+    """Two shapes; a relation between them as a multiple-choice question (AI2D)."""
+    scene, left, right = _two_shapes(rng, size)
+    if rng.random() < 0.5:
+        bigger = left if left.radius > right.radius else right
+        return _options(rng, scene, "What colour is the bigger shape?", bigger.colour, tuple(COLOURS))
+    side, shape = rng.choice((("left", left), ("right", right)))
+    return _options(rng, scene, f"What shape is on the {side}?", shape.kind, SHAPE_OPTIONS)
+
+
+def _phrase(shape: Shape, side: str) -> str:
+    return f"a {'large' if shape.radius >= 0.15 else 'small'} {shape.colour} {shape.kind} on the {side}"
+
+
+def _describe(rng: random.Random, size: int) -> Draw:
+    """One or two shapes, described in a sentence (LLaVA-in-the-Wild's detailed descriptions)."""
+    if rng.random() < 0.5:
+        side = rng.choice(("left", "right"))
+        shape = _one_shape(rng, cx=0.27 if side == "left" else 0.73, radius=rng.choice((0.1, 0.2)))
+        scene, text = Scene(size, (shape,)), _phrase(shape, side)
+    else:
+        scene, left, right = _two_shapes(rng, size)
+        text = f"{_phrase(left, 'left')} and {_phrase(right, 'right')}"
+    return scene, "Describe the image in detail.", {"text": f"A{text[1:]}."}
+
+
+def _count_plus(rng: random.Random, size: int) -> Draw:
+    """Two steps over an image: count the dots, then add a number (MathVista, MMMU)."""
+    scene, _, facts = _count(rng, size)
+    extra = rng.randint(1, 3)
+    question = f"How many dots are there? Add {extra} to that number. Answer with digits."
+    return scene, question, {"value": facts["n"] + extra}
+
+
 FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "colour": _colour,
     "shape": _shape,
@@ -251,6 +325,10 @@ FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "subtract": _subtract,
     "reverse": _reverse,
     "upper": _upper,
+    "choice": _choice,
+    "describe": _describe,
+    "relation_choice": _relation_choice,  # the benchmark suite's only
+    "count_plus": _count_plus,  # the benchmark suite's only
 }
 
 
@@ -271,6 +349,8 @@ SHORT: dict[str, Callable[[Facts], str]] = {
     "subtract": lambda f: str(f["value"]),
     "reverse": lambda f: f["word"][::-1],
     "upper": lambda f: f["word"].upper(),
+    "choice": lambda f: f["letter"],
+    "describe": lambda f: f["text"],
 }
 
 

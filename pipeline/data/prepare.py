@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pipeline.checkpoint import write_json_atomic
 from pipeline.config import RunConfig
+from pipeline.data.benchmark import write_tasks
 from pipeline.data.encode import Encoder
 from pipeline.data.example import DataError, Example
 from pipeline.data.manifest import MANIFEST_PATH, active_sources, read_manifest
@@ -55,7 +56,13 @@ def _load(cfg: RunConfig) -> LoadedSources:
 
 
 def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool = False) -> dict[str, Any]:
-    """Write ``run_dir/data/manifest.json``; reuse it when the data it depends on is unchanged."""
+    """Write ``run_dir/data/manifest.json`` and the toy benchmark tasks ``eval.benchmarks`` names;
+    reuse what is up to date."""
+    write_tasks(cfg, run_dir)
+    return _prepare_sources(cfg, run_dir, processor, force)
+
+
+def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool) -> dict[str, Any]:
     path = Path(run_dir) / MANIFEST_PATH
     digest = data_digest(cfg)
     if path.is_file() and not force:

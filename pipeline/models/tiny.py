@@ -53,7 +53,13 @@ def train_tokenizer(vocab_size: int, seed: int) -> Qwen2Tokenizer:
     )
     bpe.train_from_iterator([TEMPLATE_TEXT, *corpus_text(seed)], trainer)
     trained = json.loads(bpe.to_str())["model"]
-    tokenizer = Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]])
+    # eos and pad as in Qwen2.5-VL-Instruct: a chat turn ends at <|im_end|> (lmms-eval stops there)
+    tokenizer = Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(m) for m in trained["merges"]],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     return tokenizer
 

@@ -43,14 +43,16 @@ from pipeline.layout import (
     diloco_finals,
     model_paths,
 )
+from pipeline.report.benchmarks import benchmark_section, stand_ins
 from pipeline.report.diloco import diloco_section
-from pipeline.report.plots import plot_heldout_loss, plot_per_source, plot_quality, plot_training_curves
+from pipeline.report.plots import plot_model_bars, plot_per_source, plot_quality, plot_training_curves
 from pipeline.report.quality import quality_section
 
 KINDS = ("theta0", "branch", "joint", "merged", "diloco")  # the models' fixed order; a model's kind is its name prefix
 MERIT_SHARE_PCT = 0.8  # calibration / mean branch training time reported by MERIT at 7B
 TARGET_SHARE_PCT = 5.0  # ours
 PLOT_FILES = {
+    "benchmarks.png": "benchmark average",
     "heldout_loss.png": "held-out loss",
     "per_source.png": "per-source loss against θ0",
     "training_curves.png": "training curves",
@@ -92,7 +94,8 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
             "config_digest": cfg.digest(),
             "model": cfg.model.name_or_path,
             "sources": list(active_sources(data)),
-            "dropped_sources": sorted(set(data["sources"]) - set(active_sources(data))),
+            "sources_by_role": _count_roles(data),
+            "dropped_sources": sorted(s for s, info in data["sources"].items() if info.get("dropped")),
         },
         "problems": _problems(cfg, run_dir),
         "models": models,
@@ -115,6 +118,19 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
     ]
     folders = controls_of(cfg, run_dir)
     controls = {name: _models(load_config(folder / CONFIG), folder) for name, folder in folders.items()}
+    if benchmarks := benchmark_section(cfg, run_dir, models, {n: (folders[n], ms) for n, ms in controls.items()}):
+        report["benchmarks"] = {k: benchmarks[k] for k in ("tasks", "rows", "verdict")}
+        rows = benchmarks["rows"]
+        labels = [r["label"] + ("" if r["split"] == "—" else f" ({r['split']})") for r in rows]
+        plot_model_bars(
+            labels,
+            [r["kind"] for r in rows],
+            [r["average"] for r in rows],
+            out / "benchmarks.png",
+            "benchmark average (0–100)",
+            "Benchmark average per model (higher is better)",
+        )
+        own.insert(0, "benchmarks.png")
     diagnostics = {"merit": _read_json(run_dir / EVAL / DIAGNOSTICS)}
     diagnostics |= {name: _read_json(folder / EVAL / DIAGNOSTICS) for name, folder in folders.items()}
     quality = quality_section(cfg, models, controls, diagnostics)
@@ -130,7 +146,8 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
         own.append(diloco["plot"])
     report["plots"] = own + [f"../{p}" for p in others]  # relative to report/, as report.md links them
     report["tables"] = (
-        ({"quality": quality["table"]} if quality else {})
+        ({"benchmarks": benchmarks["table"]} if benchmarks else {})
+        | ({"quality": quality["table"]} if quality else {})
         | _tables(models, sources, branches, split)
         | ({"diloco": diloco["table"]} if diloco else {})
     )
@@ -383,11 +400,13 @@ def _write_plots(
     """The report's PNGs that have data; stale ones from an earlier build are removed."""
     written = []
     if models:
-        plot_heldout_loss(
+        plot_model_bars(
             [m["name"] for m in models],
             [m["kind"] for m in models],
             [m["loss"] for m in models],
             out / "heldout_loss.png",
+            "held-out loss (token-weighted)",
+            "Held-out loss per model (lower is better)",
         )
         written.append("heldout_loss.png")
     theta0 = next((m for m in models if m["name"] == "theta0"), None)
@@ -415,12 +434,13 @@ def _write_plots(
 
 def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     run, tables = report["run"], report["tables"]
+    counts = ", ".join(f"{n} {ROLE_WORDS.get(role, role)}" for role, n in run["sources_by_role"].items())
     dropped = f" ({len(run['dropped_sources'])} dropped)" if run["dropped_sources"] else ""
     lines = [
         f"# Run report: {run['name']}",
         "",
         f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
-        f"model `{run['model']}`, {len(run['sources'])} sources{dropped}.",
+        f"model `{run['model']}`; sources: {counts}{dropped}.",
     ]
 
     def section(title: str, *blocks: str) -> None:
@@ -428,6 +448,18 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         lines.append("\n\n".join(b for b in blocks if b))
 
     figure = {name: f"![{PLOT_FILES[name]}]({name})" for name in own}
+
+    if bench := report.get("benchmarks"):
+        section(
+            "Benchmarks",
+            "lmms-eval tasks none of the models was fine-tuned on, scored 0–100 (accuracy, token F1, or as a "
+            "judge model rates the answers), and their mean, as in the MERIT paper's Table 2. "
+            + stand_ins(bench["tasks"]),
+            bench["verdict"],
+            figure.get("benchmarks.png", ""),
+            markdown_table(**tables["benchmarks"]),
+            "Each model's results file and samples, as lmms-eval wrote them: `eval/benchmarks/<model>/`.",
+        )
 
     if head := report.get("headline"):
         refs = {"vs_joint": "the joint baseline", "vs_theta0": "θ0"}
@@ -499,6 +531,18 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     if others:
         section("Other plots", "\n".join(f"- [{p}](../{p})" for p in others))
     return "\n".join(lines) + "\n"
+
+
+ROLE_WORDS = {"finetune": "fine-tuning", "warmup": "warm-up (θ0)", "unseen": "unseen", "retention": "retention"}
+
+
+def _count_roles(data: dict[str, Any]) -> dict[str, int]:
+    """How many prepared sources have each role (fine-tuning, warm-up, evaluation only), dropped ones aside."""
+    counts: dict[str, int] = {}
+    for info in data["sources"].values():
+        if not info.get("dropped"):
+            counts[info.get("role", "finetune")] = counts.get(info.get("role", "finetune"), 0) + 1
+    return counts
 
 
 def _budget_line(budget: dict[str, Any], branches: list[dict[str, Any]]) -> str:

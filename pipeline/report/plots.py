@@ -1,5 +1,5 @@
-"""The report's plots, as PNGs: held-out loss per model, per-source change against θ0, training curves,
-merges on MERIT's split against the controls'."""
+"""The report's plots, as PNGs: benchmark average and held-out loss per model, per-source change
+against θ0, training curves, merges on MERIT's split against the controls'."""
 
 from __future__ import annotations
 
@@ -26,21 +26,24 @@ KIND_COLOURS = {
 ANNOTATE_CELLS = 200  # above this many heatmap cells the numbers would be unreadable
 
 
-def plot_heldout_loss(names: list[str], kinds: list[str], losses: list[float], path: Path) -> Path:
-    """One bar per model in the given order; merged models hatched and outlined."""
+def plot_model_bars(
+    names: list[str], kinds: list[str], values: list[float], path: Path, label: str, title: str
+) -> Path:
+    """One bar per model in the given order, coloured by kind; merged models hatched and outlined."""
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4))
-    bars = ax.bar(range(len(names)), losses, color=[KIND_COLOURS[k] for k in kinds])
+    bars = ax.bar(range(len(names)), values, color=[KIND_COLOURS[k] for k in kinds])
     for bar, kind in zip(bars, kinds):
         if kind == "merged":
             bar.set(edgecolor="black", linewidth=1.5, hatch="//")
-    ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.bar_label(bars, fmt="%.3f" if max(values, default=0) < 10 else "%.1f", fontsize=7)
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
     # Models of one run differ by a few percent: an axis from 0 would hide the differences.
-    ax.set_ylim(0.9 * min(losses), 1.05 * max(losses))
-    ax.set_ylabel("held-out loss (token-weighted)")
+    low, high = min(values), max(values)
+    ax.set_ylim(0.9 * low if low > 0 else low, 1.05 * high if high > 0 else 1.0)
+    ax.set_ylabel(label)
     ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=k) for k in dict.fromkeys(kinds)], fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title("Held-out loss per model (lower is better)")
+    ax.set_title(title)
     return _save(fig, path)
 
 
