@@ -29,6 +29,9 @@ from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
+# Models whose lmms-eval process may run at once: most of one is start-up (imports, task files,
+# the model's load), which overlaps well; two 7B models in bf16 fit one 80 GB GPU.
+BENCHMARKS_AT_ONCE = 2
 Job = tuple[str, str]  # (run directory, branch name): the run's own branches or a control's
 
 
@@ -107,17 +110,17 @@ def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
     """Evaluate every model of the run and of its controls (held-out figures, then the lmms-eval
     benchmarks), their diagnostics, then the report. A control's θ0 is the run's (linked):
     evaluated once, with the run."""
-    benchmark = None  # one model's lmms-eval process runs beside the next model's held-out evaluation
+    benchmarks = []  # lmms-eval processes, running beside the next models' held-out evaluation
     for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
         for model, checkpoint in run_models(tasks.run_config(where), where).items():
             if where == run_dir or model != "theta0":
                 tasks.evaluate(where, model, checkpoint)
                 if benchmarked(cfg, model):
-                    if benchmark:
-                        benchmark.result()
-                    benchmark = tasks.benchmark.submit(where, model, checkpoint)
+                    if len(benchmarks) == BENCHMARKS_AT_ONCE:
+                        benchmarks.pop(0).result()
+                    benchmarks.append(tasks.benchmark.submit(where, model, checkpoint))
         tasks.diagnose(where)
-    if benchmark:
+    for benchmark in benchmarks:
         benchmark.result()
     done = report(run_dir, cfg.run.name)
     get_run_logger().info(f"report: {done['report']}")

@@ -319,18 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
-    bench = benches.add_parser("quality", help="MERIT-K vs Random-K vs joint: loss and accuracy, seeds and factors")
+    bench = benches.add_parser(
+        "quality", help="MERIT-K vs Random-K vs joint on the toy benchmarks: seeds, paired statistics, factors"
+    )
     bench.add_argument("config", nargs="?", default="configs/benchmark.yaml", help="the base run config")
     bench.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
-    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each repetition")
-    bench.add_argument("--k", type=int, nargs="+", default=[2, 4], help="numbers of branches K (powers of two)")
-    bench.add_argument("--kinds", nargs="+", default=["cued", "contradictory"], choices=["cued", "contradictory"])
+    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="run.seed of each repetition")
+    bench.add_argument(
+        "--full-seeds", type=int, default=3, help="how many of the seeds also run Random-K and the 0.5/2-epoch joint"
+    )
+    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of branches K (powers of two)")
+    bench.add_argument(
+        "--joint-epochs", type=float, nargs="*", default=[0.5, 2.0], help="joint baselines besides the 1-epoch one"
+    )
+    bench.add_argument("--kinds", nargs="+", default=["cued"], choices=["cued", "contradictory"])
     bench.add_argument(
         "--factors",
         nargs="*",
-        default=["warmup", "lr", "epochs", "width"],
-        choices=["warmup", "lr", "epochs", "width"],
-        help="factor tables (from the first kind and seed)",
+        default=["pca", "balance"],
+        choices=["pca", "balance", "warmup", "lr", "epochs", "width"],
+        help="factor tables (from the first kind's full seeds, at the smallest K)",
     )
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     bench = benches.add_parser("diloco", help="DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib")

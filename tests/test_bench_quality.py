@@ -5,12 +5,14 @@ each case's own report, and mean ± std computed as the formula says."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from statistics import mean, stdev
 
 import pytest
+from scipy import stats
 
-from pipeline.bench.quality import aggregate, plan_cases
+from pipeline.bench.quality import aggregate, factor_table, paired, plan_cases
 from pipeline.cli import build_parser, main
 from pipeline.data.builtin import CONFLICTS
 
@@ -22,6 +24,7 @@ SIZES = [
     "train.micro_batch=4",
     "train.checkpoint_every=100",
     "eval.max_new_tokens=8",
+    "data.builtin.benchmark_examples=4",
     "flow.retry_delay_s=0",
     f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
 ]
@@ -33,48 +36,91 @@ def bench_args(workdir: Path, *extra: str) -> list[str]:
 
 
 def test_cases_share_theta0_only_where_it_is_the_same():
-    args = build_parser().parse_args(bench_args(Path("w"), "--seeds", "0", "1", "--k", "2", "4"))
+    factors = ["--factors", "pca", "lr", "warmup", "width"]
+    args = build_parser().parse_args(bench_args(Path("w"), "--seeds", "0", "1", "--k", "2", "4", *factors))
     cases = {c.name: c for c in plan_cases(args)}
     assert cases["cued-s1-k4"].base == "cued-s1" and "calibration.r=2" in cases["cued-s1-k4"].overrides
-    assert cases["cued-s0-joint2"].flow == "joint" and "train.epochs=2" in cases["cued-s0-joint2"].overrides
-    assert cases["lr-3e-4"].base == "cued-s0"  # the same θ0: linked
-    assert cases["warmup-1000"].base is None and cases["width-256"].base is None  # θ0 remade
-    assert all("flow.controls=[random]" in c.overrides for c in cases.values())
-    # Without warmup.lr the warm-up trains at train.lr: a learning-rate level makes its own θ0.
-    args = build_parser().parse_args(bench_args(Path("w"), "--k", "4", "--set", "warmup.lr=null"))
+    assert "merge.methods=[{name: token_average, method: weighted_average}]" in cases["cued-s1-k4"].overrides
+    for epochs in ("0.5", "2"):
+        joint = cases[f"cued-s0-joint{epochs}"]
+        assert joint.flow == "joint" and f"train.epochs={float(epochs)}" in joint.overrides and joint.base == "cued-s0"
+    assert (
+        cases["pca-uncentred-s1"].base == "cued-s1"
+        and "calibration.pca=uncentred" in cases["pca-uncentred-s1"].overrides
+    )
+    assert cases["lr-3e-4-s0"].base == "cued-s0"  # the same θ0: linked
+    assert cases["warmup-1000-s0"].base is None and cases["width-256-s1"].base is None  # θ0 remade
+    assert all("flow.controls=[random]" in c.overrides for c in cases.values() if "factor" not in c.labels)
+    # Seeds past --full-seeds: MERIT and the 1-epoch joint only (no Random-K, no 0.5/2-epoch joint, no factors).
+    args = build_parser().parse_args(
+        bench_args(Path("w"), "--seeds", "0", "1", "--full-seeds", "1", "--factors", "pca")
+    )
     cases = {c.name: c for c in plan_cases(args)}
-    assert cases["lr-3e-4"].base is None and cases["epochs-2"].base == "cued-s0"
-    assert cases["width-128"].labels["K"] == 4 and "calibration.r=2" in cases["width-128"].overrides
+    assert "flow.controls=[]" in cases["cued-s1"].overrides and "cued-s1-joint2" not in cases
+    assert {c for c in cases if c.startswith("pca")} == {"pca-uncentred-s0"} and "cued-s1-k8" in cases
+    # Without warmup.lr the warm-up trains at train.lr: a learning-rate level makes its own θ0.
+    args = build_parser().parse_args(bench_args(Path("w"), "--k", "4", "--set", "warmup.lr=null", *factors))
+    cases = {c.name: c for c in plan_cases(args)}
+    assert cases["lr-3e-4-s0"].base is None and cases["pca-uncentred-s0"].base == "cued-s0"
+    assert cases["width-128-s0"].labels["K"] == 4 and "calibration.r=2" in cases["width-128-s0"].overrides
 
 
 def test_aggregate_is_mean_and_sample_std_over_seeds():
     rows = [
-        {"model": "m", "split": "s", "loss": v, "accuracy_trained": a} for v, a in ((1.0, 0.5), (2.0, 0.5), (4.0, 1.0))
+        {"model": "m", "split": "s", "loss": v, "accuracy_trained": a, "benchmark": b}
+        for v, a, b in ((1.0, 0.5, 10.0), (2.0, 0.5, None), (4.0, 1.0, 30.0))
     ]
     (agg,) = aggregate(rows, ("model", "split"))
     assert agg["seeds"] == 3 and agg["loss"] == pytest.approx(mean([1.0, 2.0, 4.0]))
     assert agg["loss_std"] == pytest.approx(stdev([1.0, 2.0, 4.0]))
     assert agg["accuracy_trained_std"] == pytest.approx(stdev([0.5, 0.5, 1.0]))
+    assert (agg["benchmark"], agg["benchmark_n"]) == (20.0, 2)  # the values it has
+
+
+def test_paired_statistics_are_the_papers():
+    """Five seeds all in favour: the exact one-sided Wilcoxon p is 1/2^5 = 0.031, the paper's."""
+    diffs = [1.0, 2.0, 3.0, 0.5, 1.5]
+    got = paired(diffs)
+    half = stats.t.ppf(0.975, 4) * stdev(diffs) / math.sqrt(5)
+    assert got["n"] == 5 and got["p"] == pytest.approx(1 / 32) and got["mean"] == pytest.approx(1.6)
+    assert (got["low"], got["high"]) == (pytest.approx(1.6 - half), pytest.approx(1.6 + half))
+    assert paired([-1.0, -2.0, -3.0])["p"] == pytest.approx(1.0) and paired([0.0, 0.0])["p"] is None
+    assert paired([2.0])["low"] is None  # one value: no interval
 
 
 def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tmp_path):
-    assert main(bench_args(tmp_path, "--seeds", "0", "--k", "2", "--kinds", "cued", "--factors")) == 0
-    rows = json.loads((tmp_path / "quality.json").read_text())
+    args = ["--seeds", "0", "--k", "2", "--kinds", "cued", "--factors", "--full-seeds", "1", "--joint-epochs", "2"]
+    assert main(bench_args(tmp_path, *args)) == 0
+    out = json.loads((tmp_path / "quality.json").read_text())
+    rows, tests = out["rows"], out["paired"]
     base = json.loads((tmp_path / "cued-s0" / "report" / "report.json").read_text())
-    merges = ["token_average", "iso_c", "ties"]
+    merges = ["token_average", "uniform_soup", "iso_c", "ties"]
     assert [r["split"] for r in rows if r.get("merge") == "ties"] == ["MERIT-2", "Random-2"]
+    scores = {(r["model"], r["split"]): r for r in base["benchmarks"]["rows"]}
     for row in rows:  # every figure is the case's own report's
-        if row.get("joint_epochs"):
+        if row.get("joint_epochs") or row.get("factor"):
             continue
         same = next(r for r in base["quality"]["rows"] if (r["model"], r["split"]) == (row["model"], row["split"]))
         assert row["loss"] == same["loss"] and row.get("accuracy_unseen") == same.get("accuracy_unseen")
-    assert {r.get("merge") for r in rows} == {None, *merges}
+        model = f"merged-{row['merge']}" if "merge" in row else row["model"]
+        assert row["benchmark"] == scores[(model, row["split"])]["average"]
+        assert row["bench/toy_reading"] == scores[(model, row["split"])]["toy_reading"]
+    assert {r.get("merge") for r in rows if not r.get("factor")} == {None, *merges}
     for split, folder in (("MERIT-2", tmp_path / "cued-s0"), ("Random-2", tmp_path / "cued-s0/controls/random")):
         groups = json.loads((folder / "calibration" / "split.json").read_text())["groups"]
         apart = sum(not any(a in g and b in g for g in groups) for a, b in CONFLICTS)
-        assert {r["pairs_apart"] for r in rows if r["split"] == split} == {apart}
+        assert {r["pairs_apart"] for r in rows if r["split"] == split and not r.get("factor")} == {apart}
+    # one seed: a difference each, no interval
+    merit = {r["merge"]: r for r in rows if r["split"] == "MERIT-2" and not r.get("factor")}
+    random = {r["merge"]: r for r in rows if r["split"] == "Random-2"}
+    joint = next(r for r in rows if r["model"] == "joint" and not r.get("joint_epochs"))
+    for t in tests:
+        other = random[t["merge"]] if t["against"] == "Random-2" else joint
+        assert t["n"] == 1 and t["mean"] == pytest.approx(merit[t["merge"]]["benchmark"] - other["benchmark"])
+    assert {(t["merge"], t["against"]) for t in tests} == {(m, a) for m in merges for a in ("Random-2", "joint")}
 
-    # joint for 2 epochs: twice the steps of the 1-epoch joint, from the same θ0 (linked, not remade)
+    # joint for 2 epochs: twice the steps of the 1-epoch joint, from the same θ0 (linked, not remade;
+    # θ0's evaluations copied, not recomputed)
     joint2 = tmp_path / "cued-s0-joint2"
     assert (joint2 / "warmup").is_symlink() and (joint2 / "warmup").resolve() == (tmp_path / "cued-s0" / "warmup")
     steps = [
@@ -82,6 +128,39 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
         for d in (tmp_path / "cued-s0", joint2)
     ]
     assert 2 * steps[0] - 1 <= steps[1] <= 2 * steps[0]  # ⌈2n / B⌉ against ⌈n / B⌉
+    reused = joint2 / "eval" / "benchmarks" / "theta0" / "scores.json"
+    assert reused.read_text() == (tmp_path / "cued-s0" / "eval" / "benchmarks" / "theta0" / "scores.json").read_text()
     text = (tmp_path / "quality.md").read_text()
-    assert "joint (2 epochs)" in text and "Random-2" in text and "± 0.000" in text  # one seed: std 0
+    assert "joint (2 epochs)" in text and "MERIT-2 − Random-2" in text and "benchmark average" in text
     assert (tmp_path / "quality-cued.png").stat().st_size > 5_000
+
+
+def test_a_factor_table_sets_each_level_beside_the_default_at_the_same_seeds():
+    base = [{"seed": s, "model": "theta0", "split": "—", "benchmark": 10.0} for s in (0, 1)] + [
+        {
+            "seed": s,
+            "model": "m",
+            "merge": "token_average",
+            "split": "MERIT-2",
+            "benchmark": b,
+            "loss": 1.0,
+            "pairs_apart": 4,
+        }
+        for s, b in ((0, 20.0), (1, 30.0), (2, 99.0))  # seed 2 ran no factor level: left out
+    ]
+    rows = [
+        {
+            "seed": s,
+            "model": "m",
+            "merge": "token_average",
+            "split": "MERIT-2",
+            "level": "uncentred",
+            "benchmark": b,
+            "loss": 2.0,
+            "pairs_apart": 3,
+        }
+        for s, b in ((0, 10.0), (1, 20.0))
+    ]
+    table = factor_table(rows, "pca", base)
+    assert "| default | 2 | 10.0 |  | 25.0 | 1.000 | 4.0 |" in table
+    assert "| uncentred | 2 |  |  | 15.0 | 2.000 | 3.0 |" in table

@@ -1,20 +1,28 @@
-"""``merit bench quality``: does the conflict-aware split pay off? On the built-in corpus, with one
-token budget for all: θ0, the joint baseline (1 and 2 epochs), and each merge on MERIT's split
-beside the same merge on a Random-K split, for K = 2 and 4, both conflict kinds, several seeds
-(mean ± std). Then one factor at a time, from the first kind's first seed: how merge-ready θ0 is
-(warm-up steps), the branches' learning rate and epochs, and the model's width.
+"""``merit bench quality``: does the conflict-aware split pay off, judged as the MERIT paper judges
+it? On the built-in corpus: θ0, the joint baseline after 0.5, 1 and 2 epochs, and each merge on
+MERIT's split beside the same merge on a Random-K split, for K = 2, 4, 8, scored on the toy
+benchmark suite through lmms-eval (the headline: the benchmark average, as the paper's Table 2),
+with the fine-tuning sources' held-out loss and accuracy as secondary columns. Per seed, with the
+same θ0 and data: MERIT − Random and MERIT − joint, their mean with a 95 % interval and a
+one-sided paired Wilcoxon p, as the paper reports them. Then factors, one at a time from the
+base cases: calibration's PCA (centred or not) and balance (samples or tokens), and optionally
+how merge-ready θ0 is, the branches' learning rate and epochs, the model's width.
 
-Every case is the real ``merit`` flow (Prefect, DeepSpeed branches, the merge library, the
-evaluation) on a run directory of its own under ``--workdir``; a case that changes neither data
-nor θ0 (K, learning rate, epochs) links to its base case's data and θ0 instead of remaking them.
-A finished case is not recomputed: rerunning the bench after an interruption continues it.
+Every case is the real flow (Prefect, DeepSpeed branches, the merge library, held-out evaluation,
+lmms-eval) on a run directory of its own under ``--workdir``; a case that changes neither data
+nor θ0 links to its base case's. The first ``--full-seeds`` seeds also run the Random-K control
+and the 0.5- and 2-epoch joint baselines; the larger K merge with the token-weighted average
+only (MERIT's merge), the smallest K with every merge of the config. A finished case is not
+recomputed: rerunning the bench after an interruption continues it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,14 +33,18 @@ from typing import Any
 from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
 from pipeline.data.builtin import CONFLICTS
-from pipeline.layout import CALIBRATION, REPORT, start_run
+from pipeline.eval.benchmarks import BENCHMARKS
+from pipeline.layout import CALIBRATION, EVAL, REPORT, start_run
 from pipeline.report import markdown_table
 from pipeline.report.plots import plot_quality
 from pipeline.report.quality import ROLES
 
-METRICS = ("loss", *(f"accuracy_{r}" for r in ROLES))
+MERIT_MERGE = "token_average"  # the merge of the larger K, and of the factor cases
+SECONDARY = ("loss", *(f"accuracy_{r}" for r in ROLES))
 # factor: (what it shows, its levels as overrides, whether a level remakes θ0)
 FACTORS: dict[str, tuple[str, dict[str, list[str]], bool]] = {
+    "pca": ("principal axes of C (default: centred, the paper's)", {"uncentred": ["calibration.pca=uncentred"]}, False),
+    "balance": ("what the split balances (default: samples)", {"tokens": ["calibration.balance=tokens"]}, False),
     "warmup": (
         "warm-up steps: how merge-ready θ0 is",
         {"0": ["warmup.steps=0"], "100": ["warmup.steps=100"], "1000": ["warmup.steps=1000"]},
@@ -65,40 +77,47 @@ class Case:
 
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
-    common = [*args.overrides, "flow.controls=[random]"]
-    # The warm-up trains at train.lr unless warmup.lr is set: then a learning-rate level remakes θ0.
-    lr_keeps_theta0 = load_config(args.config, args.overrides).warmup.lr is not None
+    ks = sorted(args.k)
+    only_merit_merge = f"merge.methods=[{{name: {MERIT_MERGE}, method: weighted_average}}]"
     cases = []
     for kind in args.kinds:
-        for seed in args.seeds:
-            base = f"{kind}-s{seed}"
-            sets = [*common, f"run.seed={seed}", f"data.builtin.conflicts={kind}"]
-            labels = {"kind": kind, "seed": seed}
-            ks = sorted(args.k)
-            cases.append(Case(base, [*sets, f"calibration.r={_r(ks[0])}"], labels | {"K": ks[0]}))
-            cases += [
-                Case(
-                    f"{base}-k{k}",
-                    [*sets, f"calibration.r={_r(k)}", "flow.joint_baseline=false"],
-                    labels | {"K": k},
-                    base,
-                )
-                for k in ks[1:]
+        for i, seed in enumerate(args.seeds):
+            base, full = f"{kind}-s{seed}", i < args.full_seeds
+            sets = [
+                *args.overrides,
+                f"run.seed={seed}",
+                f"data.builtin.conflicts={kind}",
+                f"flow.controls={'[random]' if full else '[]'}",
             ]
-            cases.append(Case(f"{base}-joint2", [*sets, "train.epochs=2"], labels | {"joint_epochs": 2}, base, "joint"))
-    first, k = f"{args.kinds[0]}-s{args.seeds[0]}", min(args.k)  # factors: from the first base case, at its K
+            labels = {"kind": kind, "seed": seed}
+            cases.append(Case(base, [*sets, f"calibration.r={_r(ks[0])}"], labels | {"K": ks[0]}))
+            for k in ks[1:]:
+                overrides = [*sets, f"calibration.r={_r(k)}", "flow.joint_baseline=false", only_merit_merge]
+                cases.append(Case(f"{base}-k{k}", overrides, labels | {"K": k}, base))
+            for epochs in args.joint_epochs if full else ():
+                sets_e = [*sets, f"train.epochs={epochs}"]
+                cases.append(Case(f"{base}-joint{epochs:g}", sets_e, labels | {"joint_epochs": epochs}, base, "joint"))
+    # Factors: from the first kind's base cases at the smallest K, MERIT's split and merge only.
+    lr_keeps_theta0 = load_config(args.config, args.overrides).warmup.lr is not None
     for factor in args.factors:
         _, levels, fresh = FACTORS[factor]
         fresh = fresh or (factor == "lr" and not lr_keeps_theta0)
-        sets = [
-            *common,
-            f"run.seed={args.seeds[0]}",
-            f"data.builtin.conflicts={args.kinds[0]}",
-            f"calibration.r={_r(k)}",
-        ]
-        for level, overrides in levels.items():
-            labels = {"factor": factor, "level": level, "K": k}
-            cases.append(Case(f"{factor}-{level}", [*sets, *overrides], labels, None if fresh else first))
+        for seed in args.seeds[: args.full_seeds]:
+            sets = [
+                *args.overrides,
+                f"run.seed={seed}",
+                f"data.builtin.conflicts={args.kinds[0]}",
+                f"calibration.r={_r(ks[0])}",
+                "flow.controls=[]",
+                only_merit_merge,
+            ]
+            base = f"{args.kinds[0]}-s{seed}"
+            for level, overrides in levels.items():
+                labels = {"factor": factor, "level": level, "K": ks[0], "seed": seed, "kind": args.kinds[0]}
+                joint = [] if fresh else ["flow.joint_baseline=false"]  # the same θ0: the base case's joint
+                cases.append(
+                    Case(f"{factor}-{level}-s{seed}", [*sets, *joint, *overrides], labels, None if fresh else base)
+                )
     return cases
 
 
@@ -115,27 +134,57 @@ def run_case(case: Case, config: str, workdir: Path) -> None:
     run_dir = workdir / case.name
     if case.base:
         linked_run(load_config(config, case.overrides), workdir / case.base, run_dir)
+        reuse_theta0_evaluations(workdir / case.base, run_dir)
     else:
         start_run(config, case.overrides, run_dir)
     {"merit": merit, "joint": joint}[case.flow](config=None, run_dir=str(run_dir))
     case.rows = case_rows(run_dir, case)
 
 
+def reuse_theta0_evaluations(base: Path, run_dir: Path) -> None:
+    """A linked case's θ0 is its base case's: its held-out evaluation and benchmark results are
+    copied rather than computed again (the evaluation stages check their identity, and redo what
+    does not match)."""
+    for part in (Path(EVAL) / "theta0.json", Path(EVAL) / BENCHMARKS / "theta0"):
+        source, target = base / part, run_dir / part
+        if not source.exists() or target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)
+
+
 def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
-    """θ0, joint and the merges of one case, from its report, labelled with the case."""
+    """θ0, joint and the merges of one case, from its report (held-out figures, benchmark scores,
+    barrier, pairs apart), labelled with the case."""
     report = json.loads((run_dir / REPORT / "report.json").read_text())
+    scores = {(r["model"], r["split"]): r for r in report.get("benchmarks", {}).get("rows", [])}
     if case.flow == "joint":
         joint = next(m for m in report["models"] if m["name"] == "joint")
-        return [case.labels | {"model": "joint", "split": "—"} | _figures(joint)]
+        return [case.labels | {"model": "joint", "split": "—"} | _figures(joint) | _scores(scores, "joint", "—")]
     barriers = report.get("quality", {}).get("barriers", {})
     k = case.labels["K"]
     apart = {f"MERIT-{k}": pairs_apart(run_dir)}
     apart |= {f"{name.capitalize()}-{k}": pairs_apart(control_dir(run_dir, name)) for name in SPLIT_OF}
-    return [
-        case.labels | r | {"barrier": barriers.get(r["split"]), "pairs_apart": apart.get(r["split"])}
-        for r in report.get("quality", {}).get("rows", [])
-        if r["model"] != "theta0" or case.base is None  # θ0 once per θ0 made
-    ]
+    rows = []
+    for r in report.get("quality", {}).get("rows", []):
+        if r["model"] == "theta0" and case.base is not None:
+            continue  # θ0 once per θ0 made
+        model = f"merged-{r['merge']}" if "merge" in r else r["model"]
+        extra = {"barrier": barriers.get(r["split"]), "pairs_apart": apart.get(r["split"])}
+        rows.append(case.labels | r | extra | _scores(scores, model, r["split"]))
+    return rows
+
+
+def _scores(scores: dict[tuple[str, str], dict[str, Any]], model: str, split: str) -> dict[str, Any]:
+    """A model's benchmark scores, per task (``bench/<task>``) and their average (``benchmark``)."""
+    row = scores.get((model, split))
+    if row is None:
+        return {}
+    tasks = [key for key in row if key not in ("model", "label", "kind", "split", "average", "vs_joint", "vs_control")]
+    return {"benchmark": row["average"], **{f"bench/{t}": row[t] for t in tasks}}
 
 
 def pairs_apart(run_dir: Path) -> int | None:
@@ -152,85 +201,171 @@ def _figures(model: dict[str, Any]) -> dict[str, Any]:
     return {"loss": model["loss"], **{f"accuracy_{r}": roles[r].get("accuracy") for r in ROLES if r in roles}}
 
 
+def _metrics(rows: list[dict[str, Any]]) -> list[str]:
+    tasks = sorted({key for row in rows for key in row if key.startswith("bench/")})
+    return ["benchmark", *tasks, *SECONDARY, "barrier", "distance", "pairs_apart"]
+
+
 def aggregate(rows: list[dict[str, Any]], by: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Mean and std over seeds of every metric, per distinct ``by`` key, in first-seen order."""
+    """Mean and std over seeds of every metric, per distinct ``by`` key, in first-seen order;
+    ``n`` counts the values of the benchmark average (else the rows)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(tuple(row.get(k) for k in by), []).append(row)
     out = []
     for key, members in groups.items():
         agg = {k: v for k, v in zip(by, key) if v is not None} | {"seeds": len(members)}
-        for metric in (*METRICS, "barrier", "distance", "pairs_apart"):
+        for metric in _metrics(members):
             values = [m[metric] for m in members if m.get(metric) is not None]
             if values:
                 agg[metric] = mean(values)
                 agg[f"{metric}_std"] = stdev(values) if len(values) > 1 else 0.0
+                agg[f"{metric}_n"] = len(values)
         out.append(agg)
     return out
 
 
-def _pm(row: dict[str, Any], metric: str, scale: float = 1.0) -> str:
+def paired(differences: list[float]) -> dict[str, Any]:
+    """Mean of per-seed differences, its 95 % t interval, and the one-sided paired Wilcoxon
+    signed-rank p for "greater than 0" (exact for small n, as the paper's p = 0.031 at n = 5)."""
+    from scipy import stats
+
+    n = len(differences)
+    out: dict[str, Any] = {"n": n, "mean": mean(differences) if n else None, "low": None, "high": None, "p": None}
+    if n >= 2:
+        half = stats.t.ppf(0.975, n - 1) * stdev(differences) / math.sqrt(n)
+        out["low"], out["high"] = out["mean"] - half, out["mean"] + half
+    if n >= 1 and any(differences):
+        out["p"] = float(stats.wilcoxon(differences, alternative="greater").pvalue)
+    return out
+
+
+def paired_tests(rows: list[dict[str, Any]], metric: str = "benchmark") -> list[dict[str, Any]]:
+    """Per kind, K and merge: MERIT − Random-K and MERIT − joint (1 epoch) seed by seed, on one metric."""
+    tests = []
+    merit_rows = [r for r in rows if str(r.get("split", "")).startswith("MERIT-") and "factor" not in r]
+    joints = {(r["kind"], r["seed"]): r for r in rows if r["model"] == "joint" and not r.get("joint_epochs")}
+    for kind, k, merge in dict.fromkeys((r["kind"], r["K"], r["merge"]) for r in merit_rows):
+        mine = {r["seed"]: r for r in merit_rows if (r["kind"], r["K"], r["merge"]) == (kind, k, merge)}
+        others = {
+            f"Random-{k}": {
+                r["seed"]: r
+                for r in rows
+                if (r.get("kind"), r.get("K"), r.get("merge"), r["split"]) == (kind, k, merge, f"Random-{k}")
+            },
+            "joint": {seed: joints[(kind, seed)] for seed in mine if (kind, seed) in joints},
+        }
+        for against, theirs in others.items():
+            seeds = [s for s in mine if s in theirs and mine[s].get(metric) is not None]
+            diffs = [mine[s][metric] - theirs[s][metric] for s in seeds if theirs[s].get(metric) is not None]
+            if diffs:
+                tests.append(
+                    {"kind": kind, "K": k, "merge": merge, "against": against, "metric": metric} | paired(diffs)
+                )
+    return tests
+
+
+def _pm(row: dict[str, Any], metric: str, scale: float = 1.0, digits: int = 3) -> str:
     if metric not in row:
         return ""
-    return f"{scale * row[metric]:.3f} ± {scale * row[f'{metric}_std']:.3f}"
+    return f"{scale * row[metric]:.{digits}f} ± {scale * row[f'{metric}_std']:.{digits}f}"
+
+
+def _label(row: dict[str, Any]) -> str:
+    if row.get("joint_epochs"):
+        return f"joint ({row['joint_epochs']:g} epochs)"
+    return "joint (1 epoch)" if row["model"] == "joint" else row["model"]
 
 
 def main_table(rows: list[dict[str, Any]]) -> str:
-    """Per kind: one line per model and split, mean ± std over seeds."""
-    headers = [
-        "model",
-        "split",
-        "held-out loss",
-        *(f"accuracy, {r} (%)" for r in ROLES),
-        "barrier",
-        f"pairs apart (of {len(CONFLICTS)})",
-    ]
+    """Per kind: one line per model and split, mean ± std over seeds (n: the seeds behind it)."""
     lines = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
-        agg = aggregate(mine, ("model", "split", "joint_epochs"))
+        agg = aggregate(mine, ("model", "split", "K", "joint_epochs"))
+        agg.sort(key=_order)
+        tasks = [m for m in _metrics(mine) if m.startswith("bench/")]
+        headers = [
+            "model",
+            "split",
+            "n",
+            "benchmark average",
+            *(t.removeprefix("bench/") for t in tasks),
+            "held-out loss",
+            "accuracy, trained (%)",
+            "accuracy, retention (%)",
+            f"pairs apart (of {len(CONFLICTS)})",
+        ]
         table = [
             [
-                a["model"] + (" (2 epochs)" if a.get("joint_epochs") else ""),
+                _label(a),
                 a["split"],
+                a.get("benchmark_n", a["seeds"]),
+                _pm(a, "benchmark", digits=1),
+                *(f"{a[t]:.1f}" if t in a else "" for t in tasks),
                 _pm(a, "loss"),
-                *(_pm(a, f"accuracy_{r}", 100) for r in ROLES),
-                _pm(a, "barrier"),
+                _pm(a, "accuracy_trained", 100, 1),
+                _pm(a, "accuracy_retention", 100, 1),
                 f"{a['pairs_apart']:.1f}" if "pairs_apart" in a else "",
             ]
             for a in agg
         ]
-        seeds = max(a["seeds"] for a in agg)
-        lines.append(f"**{kind} conflicts**, {seeds} seed(s):\n\n" + markdown_table(headers, table))
+        lines.append(f"**{kind} conflicts**:\n\n" + markdown_table(headers, table))
     return "\n\n".join(lines)
 
 
+def _order(a: dict[str, Any]) -> tuple[int, float, float]:
+    """θ0, the joint baselines by epochs, then the merges by K (first-seen order within a K)."""
+    if a["split"] == "—":
+        return (0, a["model"] != "theta0", a.get("joint_epochs", 1.0))
+    return (1, a["K"], 0.0)
+
+
+def paired_table(tests: list[dict[str, Any]]) -> str:
+    def cell(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    headers = ["kind", "K", "merge", "difference", "n (seeds)", "mean", "95 % interval", "Wilcoxon p (one-sided)"]
+    table = [
+        [
+            t["kind"],
+            t["K"],
+            t["merge"],
+            f"MERIT-{t['K']} − {t['against']}",
+            t["n"],
+            cell(t["mean"], "+.2f"),
+            f"[{t['low']:+.2f}, {t['high']:+.2f}]" if t["low"] is not None else "",
+            cell(t["p"], ".3f"),
+        ]
+        for t in tests
+    ]
+    return markdown_table(headers, table)
+
+
 def factor_table(rows: list[dict[str, Any]], factor: str, base: list[dict[str, Any]]) -> str:
-    """One line per level (the base case's first): loss and trained accuracy of θ0, joint and each
-    merge as ``MERIT / Random``, at the base case's K."""
-    levels = {"base": base}
+    """One line per level (the base cases' first): benchmark average, held-out loss and pairs apart
+    of MERIT's token-weighted merge, and θ0's and the joint baseline's benchmark average, over the
+    seeds each level ran."""
+    seeds = {r["seed"] for r in rows}
+    levels = {"default": [r for r in base if r["seed"] in seeds]}
     levels |= {level: [r for r in rows if r.get("level") == level] for level in FACTORS[factor][1]}
-    merges = list(dict.fromkeys(r["merge"] for r in rows + base if "merge" in r))
-    headers = ["level", "θ0", "joint", *merges]
-    out = []
-    for metric, scale in (("loss", 1), ("accuracy_trained", 100)):
-        table = []
-        for level, got in levels.items():
-            by = {(r["model"] if "merge" not in r else r["merge"], r["split"]): r for r in got}
-            cells = [_cell(by.get(("theta0", "—")), metric, scale), _cell(by.get(("joint", "—")), metric, scale)]
-            for merge in merges:
-                pair = [v for (m, split), v in by.items() if m == merge and split != "—"]
-                cells.append(" / ".join(_cell(v, metric, scale) for v in pair))
-            table.append([level, *cells])
-        k = base[0]["K"]
-        out.append(
-            f"{metric.replace('_', ', ')} (merges: MERIT-{k} / Random-{k}):\n\n" + markdown_table(headers, table)
-        )
-    return f"**{FACTORS[factor][0]}**\n\n" + "\n\n".join(out)
+    headers = ["level", "n", "θ0", "joint", f"{MERIT_MERGE} (MERIT)", "held-out loss", "pairs apart"]
+    table = []
+    for level, got in levels.items():
+        merged = [r for r in got if r.get("merge") == MERIT_MERGE and str(r["split"]).startswith("MERIT-")]
+        cells = [_mean_of(got, "theta0", "benchmark"), _mean_of(got, "joint", "benchmark")]
+        cells += [_mean(merged, "benchmark", 1), _mean(merged, "loss", 3), _mean(merged, "pairs_apart", 1)]
+        table.append([level, len(merged), *cells])
+    return f"**{FACTORS[factor][0]}**\n\n" + markdown_table(headers, table)
 
 
-def _cell(row: dict[str, Any] | None, metric: str, scale: float) -> str:
-    return "" if row is None or row.get(metric) is None else f"{scale * row[metric]:.3f}"
+def _mean_of(rows: list[dict[str, Any]], model: str, metric: str) -> str:
+    return _mean([r for r in rows if r["model"] == model], metric, 1)
+
+
+def _mean(rows: list[dict[str, Any]], metric: str, digits: int) -> str:
+    values = [r[metric] for r in rows if r.get(metric) is not None]
+    return f"{mean(values):.{digits}f}" if values else ""
 
 
 def main(args: argparse.Namespace) -> None:
@@ -245,17 +380,29 @@ def main(args: argparse.Namespace) -> None:
         run_case(case, args.config, workdir)
         print(f"[{n}/{len(cases)}] {case.name}: {time.perf_counter() - began:.0f} s", flush=True)
     main_rows = [r for c in cases if "factor" not in c.labels for r in c.rows]
-    text = [f"## Quality: `merit {' '.join(sys.argv[1:])}`", "", main_table(main_rows)]
-    first = cases[0].rows  # the first base case
+    tests = paired_tests(main_rows)
+    text = [
+        f"## Quality: `merit {' '.join(sys.argv[1:])}`",
+        "",
+        main_table(main_rows),
+        "",
+        "Paired differences of the benchmark average, seed by seed (same θ0 and data):",
+        "",
+        paired_table(tests),
+    ]
     for factor in args.factors:
         rows = [r for c in cases if c.labels.get("factor") == factor for r in c.rows]
-        text += ["", factor_table(rows, factor, first)]
+        text += ["", factor_table(rows, factor, main_rows)]
     minutes = (time.perf_counter() - start) / 60
     text += ["", f"{len(cases)} cases in {minutes:.1f} min (a case finished before is reused, not rerun)."]
     (workdir / "quality.md").write_text("\n".join(text) + "\n")
-    (workdir / "quality.json").write_text(json.dumps([r for c in cases for r in c.rows], indent=1))
+    rows = [r for c in cases for r in c.rows]
+    (workdir / "quality.json").write_text(json.dumps({"rows": rows, "paired": tests}, indent=1))
     for kind in args.kinds:
-        agg = aggregate([r for r in main_rows if r["kind"] == kind], ("model", "split", "merge", "joint_epochs"))
-        plot_quality([a for a in agg if not a.get("joint_epochs")], workdir / f"quality-{kind}.png")
+        agg = aggregate([r for r in main_rows if r["kind"] == kind], ("model", "split", "merge", "joint_epochs", "K"))
+        smallest = min(args.k)
+        plot_quality(
+            [a for a in agg if not a.get("joint_epochs") and a["K"] == smallest], workdir / f"quality-{kind}.png"
+        )
     print("\n".join(text))
     print(f"\nwritten: {workdir / 'quality.md'}, quality.json, quality-<kind>.png")

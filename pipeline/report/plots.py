@@ -80,13 +80,15 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
 
 
 def plot_quality(rows: list[dict], path: Path) -> str:
-    """Per merge, MERIT's split beside each control's: held-out loss, then accuracy per role;
+    """Per merge, MERIT's split beside each control's: benchmark average (when given), held-out
+    loss, then accuracy per role;
     θ0 and the joint baseline as reference lines. Returns the file name, as the report links it."""
     merges = list(dict.fromkeys(r["merge"] for r in rows if "merge" in r))
     splits = list(dict.fromkeys(r["split"] for r in rows if "merge" in r))
     refs = {r["model"]: r for r in rows if "merge" not in r}
     accuracies = [f"accuracy_{role}" for role in EVALUATED_ROLES]
-    metrics = ["loss"] + [k for k in accuracies if any(r.get(k) is not None for r in rows)]
+    metrics = ["benchmark", "loss", *accuracies]  # the benchmark average where the rows have it
+    metrics = [k for k in metrics if k == "loss" or any(r.get(k) is not None for r in rows)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8), squeeze=False)
     width = 0.8 / len(splits)
     for ax, metric in zip(axes[0], metrics):
