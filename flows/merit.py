@@ -24,6 +24,7 @@ from flows.report import artifact_key, report
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
 from pipeline.eval.benchmarks import benchmarked
+from pipeline.eval.heldout import evaluated
 from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
 from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
@@ -113,7 +114,7 @@ def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
     benchmarks = []  # lmms-eval processes, running beside the next models' held-out evaluation
     for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
         for model, checkpoint in run_models(tasks.run_config(where), where).items():
-            if where == run_dir or model != "theta0":
+            if (where == run_dir or model != "theta0") and evaluated(cfg, model):
                 tasks.evaluate(where, model, checkpoint)
                 if benchmarked(cfg, model):
                     if len(benchmarks) == BENCHMARKS_AT_ONCE:

@@ -320,6 +320,7 @@ class EvalSection(Section):
     accuracy: bool = True  # exact-match accuracy by batched greedy generation
     max_new_tokens: int = Field(32, ge=1)  # per generated answer
     barrier_points: int = Field(3, ge=0)  # interior points of the loss barrier between branches (0: none)
+    branches: bool = True  # evaluate each branch too (at K = 8 with its control: 16 more evaluations)
     # lmms-eval tasks run on every model (θ0, joint, merges, controls' merges, DiLoCo finals): real
     # ones (seedbench, mmbench_en_dev, ai2d, textvqa_val, mmmu_val, mathvista_testmini,
     # llava_in_the_wild, mmvet) with their data in the Hugging Face cache, the built-in corpus's
@@ -330,7 +331,7 @@ class EvalSection(Section):
     benchmark_limit: int | None = Field(None, ge=1)  # examples per task (lmms-eval --limit); default all
     benchmark_batch_size: int = Field(8, ge=1)
     benchmark_timeout_s: int = Field(6 * 3600, ge=1)  # one model's lmms-eval process
-    benchmark_branches: bool = False  # also run the benchmarks on every branch
+    benchmark_branches: bool = False  # also run the benchmarks on every branch (with eval.branches)
 
     @model_validator(mode="after")
     def _unique_benchmarks(self) -> EvalSection:

@@ -128,6 +128,7 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
         for d in (tmp_path / "cued-s0", joint2)
     ]
     assert 2 * steps[0] - 1 <= steps[1] <= 2 * steps[0]  # ⌈2n / B⌉ against ⌈n / B⌉
+    assert not (tmp_path / "cued-s0" / "eval" / "branch-0.json").exists()  # eval.branches: false
     reused = joint2 / "eval" / "benchmarks" / "theta0" / "scores.json"
     assert reused.read_text() == (tmp_path / "cued-s0" / "eval" / "benchmarks" / "theta0" / "scores.json").read_text()
     text = (tmp_path / "quality.md").read_text()

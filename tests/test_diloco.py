@@ -43,6 +43,7 @@ OVERRIDES = [
     "diloco.rounds=3",
     "diloco.eval_every=0",
     "eval.max_examples_per_source=2",
+    "eval.benchmarks=[]",  # one test below runs them on a DiLoCo final
 ]
 
 
@@ -156,8 +157,12 @@ def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_aver
     latest = run_dir / "diloco" / "avg-iid" / "workers" / "1" / "checkpoints" / "latest.json"
     latest.parent.mkdir(parents=True)
     latest.write_text(json.dumps({"tag": "step99", "step": 99}))
-    state = run_flow(run_dir, AVERAGE, "flow.branch_retries=0", "train.processes=2", "train.micro_batch=2")
+    benchmarks = ["eval.benchmarks=[toy_reading]", "data.builtin.benchmark_examples=4"]
+    state = run_flow(run_dir, AVERAGE, "flow.branch_retries=0", "train.processes=2", "train.micro_batch=2", *benchmarks)
     assert state.is_completed(), state.message
+    rows = json.loads((run_dir / "report" / "report.json").read_text())["benchmarks"]["rows"]
+    assert [(r["model"], r["kind"]) for r in rows] == [("theta0", "theta0"), ("avg-iid", "diloco")]  # the final too
+    assert (run_dir / "eval" / "benchmarks" / "avg-iid" / "scores.json").is_file()
     records = json.loads((run_dir / "diloco" / "avg-iid" / "rounds.json").read_text())
     assert [(r["workers"], r["dropped"]) for r in records] == [([0], [1])] * 3
     assert all("avg-iid/1: training exit code 1" in r["failures"]["1"] for r in records)

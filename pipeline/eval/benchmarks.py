@@ -45,7 +45,8 @@ FRACTIONS = {"accuracy", "token_f1", "exact_match", "mmmu_acc", "seed_all", "see
 
 def benchmarked(cfg: RunConfig, model: str) -> bool:
     """Whether a model of the run gets the benchmarks: every one but the branches, unless asked."""
-    return bool(cfg.eval.benchmarks) and (cfg.eval.benchmark_branches or not model.startswith("branch-"))
+    branch = model.startswith("branch-")
+    return bool(cfg.eval.benchmarks) and (not branch or (cfg.eval.benchmark_branches and cfg.eval.branches))
 
 
 def judge_style(task: str) -> str | None:
@@ -162,7 +163,7 @@ def run_benchmarks(
         return cached
     folder = benchmark_dir(run_dir, model)
     with staged_dir(folder) as tmp:
-        commands = [_evaluate(cfg, run_dir, checkpoint, tasks, env, tmp) for tasks, env in _invocations(cfg)]
+        commands = [_evaluate(cfg, run_dir, checkpoint, tasks, env, tmp, folder) for tasks, env in _invocations(cfg)]
         result = {
             "model": model,
             "checkpoint": str(checkpoint),
@@ -239,7 +240,11 @@ def cli_command(spec: dict[str, Any]) -> str:
     return shlex.join(args)
 
 
-def _evaluate(cfg: RunConfig, run_dir: Path, checkpoint: str, tasks: list[str], env: dict[str, str], out: Path) -> str:
+def _evaluate(
+    cfg: RunConfig, run_dir: Path, checkpoint: str, tasks: list[str], env: dict[str, str], out: Path, final: Path
+) -> str:
+    """One lmms-eval process writing into ``out`` (renamed ``final`` once whole); returns the
+    ``python -m lmms_eval`` command that does the same."""
     spec = run_spec(cfg, run_dir, checkpoint, tasks, out)
     spec_path = out / f"spec-{len(list(out.glob('spec-*.json')))}.json"
     write_json_atomic(spec_path, spec)
@@ -260,7 +265,7 @@ def _evaluate(cfg: RunConfig, run_dir: Path, checkpoint: str, tasks: list[str], 
         raise RuntimeError(
             f"lmms-eval on {checkpoint} failed (exit code {done.returncode}); its log ends:\n" + "\n".join(tail)
         )
-    return cli_command(spec)
+    return cli_command(spec | {"output_path": str(final)})
 
 
 def _process_environment(checkpoint: str) -> dict[str, str]:

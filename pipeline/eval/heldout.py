@@ -46,6 +46,11 @@ SAMPLES = 3  # generated answers kept per source, for inspection
 PROMPT_TAIL = 160  # characters of a sample's prompt kept: the question and the assistant header
 
 
+def evaluated(cfg: RunConfig, model: str) -> bool:
+    """Whether a model of the run is evaluated: every one, the branches unless ``eval.branches`` is off."""
+    return cfg.eval.branches or not model.startswith("branch-")
+
+
 def eval_device(cfg: RunConfig) -> str:
     return cfg.eval.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
 
