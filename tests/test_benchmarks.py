@@ -4,6 +4,7 @@ files, lmms-eval itself on the tiny model against a hand count, and preflight's 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,8 @@ def test_a_multiple_choice_answer_names_the_option_that_is_true_of_the_scene():
             elif "on the right" in item.question:
                 assert truth == max(shapes, key=lambda s: s.cx).kind
             assert len(set(item.options)) == 4 and item.answer in "ABCD"
+        # every letter right equally often: one letter answered to everything scores chance, 25 %
+        assert Counter(item.answer for item in items(task, 60, 0, 112)) == dict.fromkeys("ABCD", 15)
 
 
 def test_the_toy_suite_draws_its_own_inputs_deterministically():

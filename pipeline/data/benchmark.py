@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from pipeline.checkpoint import staged_dir, write_json_atomic
 from pipeline.config import RunConfig
-from pipeline.data.builtin import FAMILIES, Facts, Scene
+from pipeline.data.builtin import FAMILIES, LETTERS, Facts, Scene, choice_prompt
 
 WORD_PROMPT = "Answer the question using a single word or phrase."  # TextVQA's, in lmms-eval
 
@@ -87,11 +87,19 @@ def items(task: str, examples: int, seed: int, image_size: int) -> list[Item]:
         raise ValueError(f"unknown built-in benchmark task '{task}'; known: {sorted(TASKS)}")
     spec = TASKS[task]
     draw = FAMILIES[spec.family]
-    return [_item(spec, *draw(random.Random(f"{seed}/benchmark/{task}/{i}"), image_size)) for i in range(examples)]
+    return [_item(spec, i, *draw(random.Random(f"{seed}/benchmark/{task}/{i}"), image_size)) for i in range(examples)]
 
 
-def _item(spec: Task, scene: Scene | None, question: str, facts: Facts) -> Item:
-    return Item(scene, spec.question or question, str(facts[spec.reference]), tuple(facts.get("options", ())))
+def _item(spec: Task, index: int, scene: Scene | None, question: str, facts: Facts) -> Item:
+    """A benchmark question; a multiple-choice one with its options turned so that the right one
+    is letter ``index`` mod 4: every letter is right equally often, so answering one letter to
+    everything scores chance exactly (the bias MMBench's circular evaluation removes)."""
+    if "options" not in facts:
+        return Item(scene, spec.question or question, str(facts[spec.reference]))
+    options, at = facts["options"], index % len(LETTERS)
+    shift = LETTERS.index(facts["letter"]) - at
+    turned = options[shift:] + options[:shift]
+    return Item(scene, choice_prompt(facts["stem"], turned), LETTERS[at], tuple(turned))
 
 
 # --- lmms-eval task files -------------------------------------------------------------------
@@ -136,6 +144,7 @@ def write_tasks(cfg: RunConfig, run_dir: str | Path) -> Path | None:
         return None
     b, folder = cfg.data.builtin, Path(run_dir) / TASKS_DIR
     identity = {
+        "version": 2,  # of the questions' design: 2, the right letters balanced
         "tasks": tasks,
         "seed": cfg.run.seed,
         "examples": b.benchmark_examples,

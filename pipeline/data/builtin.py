@@ -245,14 +245,19 @@ PLACES = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom
 SHAPE_OPTIONS = (*SHAPES, "hexagon")  # a fourth kind, never drawn, as a distractor
 
 
-def _options(rng: random.Random, scene: Scene, question: str, truth: str, pool: tuple[str, ...]) -> Draw:
+def choice_prompt(stem: str, options: list[str]) -> str:
+    """A multiple-choice prompt as MMBench's: the question, one lettered option a line, the instruction."""
+    listed = "\n".join(f"{letter}. {option}" for letter, option in zip(LETTERS, options))
+    return f"{stem}\n{listed}\n{CHOICE_PROMPT}"
+
+
+def _options(rng: random.Random, scene: Scene, stem: str, truth: str, pool: tuple[str, ...]) -> Draw:
     """A four-option question: the truth and three distractors from ``pool``, shuffled; its facts
-    are the options and the letter of the truth."""
+    are the question's stem, the options and the letter of the truth."""
     options = [truth, *rng.sample(sorted(set(pool) - {truth}), len(LETTERS) - 1)]
     rng.shuffle(options)
-    listed = "\n".join(f"{letter}. {option}" for letter, option in zip(LETTERS, options))
-    facts = {"options": options, "letter": LETTERS[options.index(truth)]}
-    return scene, f"{question}\n{listed}\n{CHOICE_PROMPT}", facts
+    facts = {"stem": stem, "options": options, "letter": LETTERS[options.index(truth)]}
+    return scene, choice_prompt(stem, options), facts
 
 
 def _choice(rng: random.Random, size: int) -> Draw:
