@@ -1,5 +1,5 @@
 """The run directory: where every stage reads and writes. One place, so that the stages, the
-flows and the report agree on it (DESIGN.md, "Contracts between stages")."""
+flows and the report agree on it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
     b ← μ b + g;   u = g + μ b (Nesterov) or u = b;   θ ← θ − η u
 
-g is the round's aggregate of Δ_k = θ − θ_k (ALGORITHMS.md §3). With μ = 0 and η = 1 the step
+g is the round's aggregate of Δ_k = θ − θ_k (DiLoCo, Douillard et al. 2023). With μ = 0 and η = 1 the step
 sets θ to the aggregate of the workers' weights (plain averaging). The momentum buffers are
 the optimizer's whole state: fp32, one per trained tensor, saved with every round.
 """
