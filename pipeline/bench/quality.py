@@ -160,10 +160,17 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
     """θ0, joint and the merges of one case, from its report (held-out figures, benchmark scores,
     barrier, pairs apart), labelled with the case."""
     report = json.loads((run_dir / REPORT / "report.json").read_text())
-    scores = {(r["model"], r["split"]): r for r in report.get("benchmarks", {}).get("rows", [])}
+    bench = report.get("benchmarks", {"tasks": [], "rows": []})
+    scores = {(r["model"], r["split"]): r for r in bench["rows"]}
+
+    def scored(model: str, split: str) -> dict[str, Any]:
+        """A model's benchmark scores, per task (``bench/<task>``) and their average (``benchmark``)."""
+        row = scores.get((model, split))
+        return {} if row is None else {"benchmark": row["average"], **{f"bench/{t}": row[t] for t in bench["tasks"]}}
+
     if case.flow == "joint":
         joint = next(m for m in report["models"] if m["name"] == "joint")
-        return [case.labels | {"model": "joint", "split": "—"} | _figures(joint) | _scores(scores, "joint", "—")]
+        return [case.labels | {"model": "joint", "split": "—"} | _figures(joint) | scored("joint", "—")]
     barriers = report.get("quality", {}).get("barriers", {})
     k = case.labels["K"]
     apart = {f"MERIT-{k}": pairs_apart(run_dir)}
@@ -174,17 +181,8 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
             continue  # θ0 once per θ0 made
         model = f"merged-{r['merge']}" if "merge" in r else r["model"]
         extra = {"barrier": barriers.get(r["split"]), "pairs_apart": apart.get(r["split"])}
-        rows.append(case.labels | r | extra | _scores(scores, model, r["split"]))
+        rows.append(case.labels | r | extra | scored(model, r["split"]))
     return rows
-
-
-def _scores(scores: dict[tuple[str, str], dict[str, Any]], model: str, split: str) -> dict[str, Any]:
-    """A model's benchmark scores, per task (``bench/<task>``) and their average (``benchmark``)."""
-    row = scores.get((model, split))
-    if row is None:
-        return {}
-    tasks = [key for key in row if key not in ("model", "label", "kind", "split", "average", "vs_joint", "vs_control")]
-    return {"benchmark": row["average"], **{f"bench/{t}": row[t] for t in tasks}}
 
 
 def pairs_apart(run_dir: Path) -> int | None:
