@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -94,7 +95,7 @@ def build_report(run_dir: str | Path) -> dict[str, Any]:
             "config_digest": cfg.digest(),
             "model": cfg.model.name_or_path,
             "sources": list(active_sources(data)),
-            "sources_by_role": _count_roles(data),
+            "sources_by_role": dict(Counter(i.get("role", "finetune") for i in active_sources(data, None).values())),
             "dropped_sources": sorted(s for s, info in data["sources"].items() if info.get("dropped")),
         },
         "problems": _problems(cfg, run_dir),
@@ -534,15 +535,6 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
 
 
 ROLE_WORDS = {"finetune": "fine-tuning", "warmup": "warm-up (θ0)", "unseen": "unseen", "retention": "retention"}
-
-
-def _count_roles(data: dict[str, Any]) -> dict[str, int]:
-    """How many prepared sources have each role (fine-tuning, warm-up, evaluation only), dropped ones aside."""
-    counts: dict[str, int] = {}
-    for info in data["sources"].values():
-        if not info.get("dropped"):
-            counts[info.get("role", "finetune")] = counts.get(info.get("role", "finetune"), 0) + 1
-    return counts
 
 
 def _budget_line(budget: dict[str, Any], branches: list[dict[str, Any]]) -> str:
