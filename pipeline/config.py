@@ -197,6 +197,31 @@ class TrainSection(Section):
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
     checkpoint_every: int = Field(50, ge=1)
     timeout_s: int = Field(6 * 3600, ge=1)
+    # LoRA through PEFT, with LLaMA-Factory's option names (values copy over unchanged).
+    finetuning_type: Literal["full", "lora"] = "full"
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float | None = Field(None, gt=0)  # default: 2 × lora_rank
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    # ``all``: every linear layer of the parts that train (not ``lm_head``), or module names
+    # (a name matches a module whose path ends with it), as a list or comma-separated.
+    lora_target: list[str] | Literal["all"] = "all"
+    additional_target: list[str] = []  # modules trained in full and saved whole (PEFT's modules_to_save)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _comma_separated(cls, data: Any) -> Any:
+        """LLaMA-Factory writes ``lora_target: q_proj,v_proj``: the same as a list."""
+        if isinstance(data, dict):
+            for key in ("lora_target", "additional_target"):
+                value = data.get(key)
+                if isinstance(value, str) and (key == "additional_target" or value != "all"):
+                    data = data | {key: [v.strip() for v in value.split(",") if v.strip()]}
+        return data
+
+    @property
+    def lora_scaling(self) -> float:
+        """alpha / rank: ΔW = scaling · B A."""
+        return (self.lora_alpha or 2.0 * self.lora_rank) / self.lora_rank
 
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.processes
@@ -213,6 +238,8 @@ class WarmupSection(Section):
 
     steps: int = Field(0, ge=0)  # 0: θ0 is the model as built or loaded
     lr: float | None = Field(None, gt=0)  # default: train.lr
+    # θ0 is a model, not an adapter: a LoRA warm-up is merged into the weights it saves.
+    finetuning_type: Literal["full", "lora"] = "full"
     # The data that makes θ0 (the toy's "pre-training"); default: the fine-tuning sources. When
     # given, the branches never train on them and their held-out split measures retention.
     sources: list[SourceSpec] | None = None
@@ -228,6 +255,9 @@ class MergeEntry(Section):
     params: dict[str, Any] = {}
     rules: list[Rule] | None = None
     weighting: Literal["tokens", "equal"] = "tokens"
+    # LoRA branches: the merged ΔW as a model (θ0 + ΔW) or as a PEFT adapter (the merge spec's).
+    out_format: Literal["model", "adapter"] = "model"
+    adapter_rank: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _method_or_rules(self) -> MergeEntry:
@@ -267,6 +297,10 @@ class DilocoMethod(MergeEntry):
     def _no_fisher(self) -> DilocoMethod:
         if any(get_method(rule.method).needs_fisher for rule in self.effective_rules):
             raise ValueError(f"diloco method '{self.name}': the fisher merge needs Fisher estimates, which rounds lack")
+        if self.out_format != "model":
+            raise ValueError(
+                f"diloco method '{self.name}': rounds step the global weights; out_format is for branch merges"
+            )
         return self
 
 

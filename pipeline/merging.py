@@ -19,7 +19,9 @@ from pipeline.data import read_manifest as read_data_manifest
 from pipeline.fisher import estimate_fisher
 from pipeline.layout import branch_dir, init_path, merged_dir, split_groups
 from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
+from pipeline.merge.adapter import adapted_parameters
 from pipeline.models import load_model, load_processor
+from pipeline.models.adapter import is_adapter
 
 
 def branch_finals(run_dir: str | Path) -> list[Path]:
@@ -70,9 +72,10 @@ def entry_spec(
     fishers: list[Path] | None = None,
 ) -> MergeSpec:
     """The merge spec of one entry of the ``merge`` section over given branches (validated)."""
+    kind = "adapter" if cfg.train.finetuning_type == "lora" else "path"  # LoRA branches: merged on ΔW
     models = [
         ModelEntry(
-            path=str(final),
+            **{kind: str(final)},
             tokens=tokens[k] if entry.weighting == "tokens" else None,
             fisher=str(fishers[k]) if fishers else None,
         )
@@ -86,6 +89,8 @@ def entry_spec(
         rules=entry.rules,
         out_path=str(out),
         out_dtype=cfg.merge.out_dtype,
+        out_format=entry.out_format,
+        adapter_rank=entry.adapter_rank,
         device=cfg.merge.device,
         block_mb=cfg.merge.block_mb,
         seed=cfg.run.seed,
@@ -100,12 +105,17 @@ def needs_fisher(entry: MergeEntry) -> bool:
 def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
     """Diagonal Fisher of branch k at its final weights, from ``merge.fisher_examples`` of its own
     training examples (one per batch: the per-example empirical Fisher), on ``merge.device``;
-    kept in ``fisher/``."""
+    kept in ``fisher/``. A LoRA branch's is that of the tensors its merge combines: the dense
+    weights of the adapted modules at θ0 + ΔW_k."""
     final, out = branch_dir(run_dir, k) / "final", branch_dir(run_dir, k) / "fisher"
     source = {"final": checkpoint_id(final), "examples": cfg.merge.fisher_examples, "seed": cfg.run.seed}
     if is_complete(out) and read_manifest(out).get("source") == source:
         return out
     model, processor = load_model(final, cfg.model), load_processor(final, cfg.model)
+    if is_adapter(final):
+        adapted = adapted_parameters(final)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in adapted)
     examples = [ex for exs in load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values() for ex in exs]
     sample = random.Random(f"{cfg.run.seed}/fisher/{k}").sample(examples, min(cfg.merge.fisher_examples, len(examples)))
     encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
@@ -121,7 +131,7 @@ def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:
         [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
     )
     spec = merge_spec(cfg, run_dir, entry, fishers)
-    paths = [spec.base_model, *(m.path for m in spec.models), *(m.fisher for m in spec.models if m.fisher)]
+    paths = [spec.base_model, *(m.source for m in spec.models), *(m.fisher for m in spec.models if m.fisher)]
     inputs = {path: checkpoint_id(path) for path in paths}
     out = Path(spec.out_path)
     if is_complete(out):

@@ -28,7 +28,7 @@ def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict
     ``diloco``: the run is the DiLoCo flow's (its workers' settings are checked too)."""
     checked, problems = {}, []
     checks = [("θ0", _theta0), ("data", _data), ("deepspeed", _deepspeed), ("merges", _merges), ("devices", _devices)]
-    checks.append(("benchmarks", _benchmarks))
+    checks += [("lora", _lora), ("benchmarks", _benchmarks)]
     for name, check in checks + ([("diloco", _diloco)] if diloco else []):
         try:
             checked[name] = check(cfg, run_dir)
@@ -116,6 +116,29 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
     return f"{gpus} GPU(s)" if gpus else "CPU only"
 
 
+def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
+    """LoRA's targets against the model's modules (built on the meta device: no weights read)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from pipeline.models.loading import apply_freeze
+    from pipeline.models.tiny import tiny_config
+    from pipeline.train.lora import check_additional_targets, lora_targets
+
+    if "lora" not in {cfg.train.finetuning_type, cfg.warmup.finetuning_type if cfg.warmup.steps else "full"}:
+        return "full fine-tuning"
+    if is_tiny(cfg):
+        config = tiny_config(cfg.model.tiny, None)
+    else:
+        config = AutoConfig.from_pretrained(base_path(cfg, run_dir), trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    apply_freeze(model, cfg.model.freeze)
+    targets = lora_targets(model, cfg.train)
+    check_additional_targets(model, cfg.train)
+    t = cfg.train
+    return f"LoRA rank {t.lora_rank}, alpha {t.lora_scaling * t.lora_rank:g}, on {len(targets)} modules"
+
+
 def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.eval.benchmarks import check_benchmarks
 
@@ -125,4 +148,6 @@ def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.diloco.plan import check_diloco
 
+    if cfg.train.finetuning_type == "lora":
+        raise ConfigError("DiLoCo's workers train every weight: train.finetuning_type lora is for MERIT branches")
     return check_diloco(cfg, torch.cuda.device_count())

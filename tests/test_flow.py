@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from safetensors.torch import load_file
@@ -21,6 +22,7 @@ from transformers import AutoModelForImageTextToText
 
 from flows.merit import joint, merit
 from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.merge import CheckpointReader
 
 ROOT = Path(__file__).parent.parent
 OVERRIDES = [
@@ -301,3 +303,65 @@ def test_worth_retrying_refuses_what_a_retry_cannot_fix(prefect_api, tmp_path):
         attempts.clear()
         assert run(kind, return_state=True).is_failed()
         assert len(attempts) == expected, (kind, attempts)
+
+
+LORA = [
+    "train.finetuning_type=lora",
+    "train.lr=1.0e-2",
+    "merge.methods=[{name: token_average, method: weighted_average}, {name: fisher, method: fisher}, "
+    "{name: as_adapter, method: weighted_average, out_format: adapter}]",
+    "eval.benchmarks=[toy_perception]",
+]
+
+
+@pytest.fixture(scope="module")
+def lora_run(prefect_api, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("lora-flow") / "run"
+    state = run_flow(run_dir, *LORA)
+    assert state.is_completed(), state.message
+    return run_dir
+
+
+def test_the_lora_flow_trains_adapters_merges_their_delta_w_and_benchmarks_them(lora_run):
+    """LoRA branches, LoRA joint baseline and the Random-K control; merges on ΔW (one written as an
+    adapter); the Fisher merge on the adapted tensors; lmms-eval on adapters; the report says so."""
+    run_dir = lora_run
+    theta0 = run_dir / "warmup" / "final"
+    assert (theta0 / "model.safetensors").is_file()  # the warm-up stays a full fine-tune: θ0 is a model
+    trained = ["branches/0", "branches/1", "joint", "controls/random/branches/0", "controls/random/branches/1"]
+    for folder in trained:
+        final = run_dir / folder / "final"
+        assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(theta0)
+        assert not (final / "model.safetensors").exists(), folder
+
+    # MERIT's merge on ΔW: θ0 + Σ w_k ΔW_k, each ΔW_k as PEFT forms it.
+    groups = json.loads((run_dir / "calibration" / "split.json").read_text())["groups"]
+    sources = json.loads((run_dir / "data" / "manifest.json").read_text())["sources"]
+    tokens = torch.tensor([sum(sources[s]["train_tokens"] for s in g) for g in groups], dtype=torch.float64)
+    w = (tokens / tokens.sum()).tolist()
+    base = AutoModelForImageTextToText.from_pretrained(theta0).state_dict()
+    deltas = [
+        {
+            n: t - base[n]
+            for n, t in PeftModel.from_pretrained(
+                AutoModelForImageTextToText.from_pretrained(theta0), run_dir / "branches" / str(k) / "final"
+            )
+            .merge_and_unload()
+            .state_dict()
+            .items()
+        }
+        for k in range(2)
+    ]
+    merged = AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "token_average").state_dict()
+    for name, value in merged.items():
+        assert torch.allclose(value, base[name] + w[0] * deltas[0][name] + w[1] * deltas[1][name], atol=1e-6), name
+    assert read_manifest(run_dir / "merged" / "as_adapter")["format"] == "adapter"
+    fisher = CheckpointReader(run_dir / "branches" / "0" / "fisher")
+    assert fisher.info and all(n.endswith(".weight") and "norm" not in n for n in fisher.info)  # the adapted only
+
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    rows = {(r["model"], r["split"]) for r in report["benchmarks"]["rows"]}
+    assert {("joint", "—"), ("merged-as_adapter", "MERIT-2"), ("merged-as_adapter", "Random-2")} <= rows
+    scores = json.loads((run_dir / "eval" / "benchmarks" / "joint" / "scores.json").read_text())
+    assert "--model merit_qwen2_5_vl" in scores["commands"][0]  # lmms-eval over θ0 + the joint adapter
+    assert "Merged on ΔW" in (run_dir / "report" / "report.md").read_text()

@@ -235,8 +235,8 @@ def test_full_report(full_run: Path):
     assert costs["branch_train_seconds_max"] == pytest.approx(50.0)
     assert costs["calibration_share_pct"] == pytest.approx(100 * 0.9 / 45.0)
     assert costs["merges"] == {
-        "avg": {"method": "weighted_average", "seconds": 1.5},
-        "iso": {"method": "iso_c", "seconds": 4.25},
+        "avg": {"method": "weighted_average", "seconds": 1.5, "on_adapters": False, "format": "model"},
+        "iso": {"method": "iso_c", "seconds": 4.25, "on_adapters": False, "format": "model"},
     }
     assert report["split"] == {
         "groups": GROUPS,

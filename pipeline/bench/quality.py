@@ -45,6 +45,14 @@ SECONDARY = ("loss", *(f"accuracy_{r}" for r in ROLES))
 FACTORS: dict[str, tuple[str, dict[str, list[str]], bool]] = {
     "pca": ("principal axes of C (default: centred, the paper's)", {"uncentred": ["calibration.pca=uncentred"]}, False),
     "balance": ("what the split balances (default: samples)", {"tokens": ["calibration.balance=tokens"]}, False),
+    "lora": (
+        "branches as LoRA adapters on every linear layer (alpha 2 × rank, the same lr) against full fine-tuning",
+        {
+            "r8": ["train.finetuning_type=lora", "train.lora_rank=8"],
+            "r32": ["train.finetuning_type=lora", "train.lora_rank=32"],
+        },
+        False,
+    ),
     "warmup": (
         "warm-up steps: how merge-ready θ0 is",
         {"0": ["warmup.steps=0"], "100": ["warmup.steps=100"], "1000": ["warmup.steps=1000"]},

@@ -2,8 +2,9 @@
 MERIT paper judges a merge (SeedBench, MMBench, LLaVA-W, MM-Vet, TextVQA, AI2D, MathVista,
 MMMU), and how users judge a model.
 
-Each model is evaluated by lmms-eval's own ``qwen2_5_vl`` model, tasks, prompts and metrics, in
-a process of its own (:mod:`pipeline.eval.lmms_run`); its results file and logged samples stay
+Each model is evaluated by lmms-eval's own ``qwen2_5_vl`` model (a LoRA adapter by the same
+model with the adapter merged in, registered with lmms-eval as ``merit_qwen2_5_vl``), tasks,
+prompts and metrics, in a process of its own (:mod:`pipeline.eval.lmms_run`); its results file and logged samples stay
 as lmms-eval wrote them under ``eval/benchmarks/<model>/``, beside ``scores.json``: each task's
 headline metric, on the paper's 0–100 scale, and what the figures depend on (reused while the
 weights, the tasks and the judge are unchanged). Real tasks read their data from the Hugging
@@ -28,6 +29,7 @@ from pipeline.config import JudgeSection, RunConfig
 from pipeline.data.benchmark import MARKER, TASKS_DIR, is_toy_task, toy_tasks
 from pipeline.hub import datasets_cache, hub_cache, offline
 from pipeline.layout import EVAL
+from pipeline.models.adapter import adapter_base, is_adapter
 from pipeline.tensorboard import log_benchmarks
 from pipeline.threads import SMALL_MODEL, threads_per_process
 
@@ -35,6 +37,7 @@ BENCHMARKS = "benchmarks"  # eval/benchmarks/<model>/
 SCORES = "scores.json"
 LOG = "lmms_eval.log"
 LMMS_MODEL = "qwen2_5_vl"
+ADAPTED_MODEL = "merit_qwen2_5_vl"  # the same over θ0 + a LoRA adapter (pipeline.eval.lmms_plugin)
 # Tasks scored by a judge model (by name prefix), and how their lmms-eval code reads the judge's
 # OPENAI_API_URL: lmms-eval's llm_judge providers take the API's base URL (…/v1), MMBench's
 # answer matcher (used for answers its rules cannot parse) the chat-completions endpoint itself.
@@ -205,8 +208,10 @@ def run_spec(cfg: RunConfig, run_dir: Path, checkpoint: str, tasks: list[str], o
 
     device = eval_device(cfg)
     m = cfg.model
+    # A LoRA adapter: lmms-eval's model over θ0 with the adapter merged in (pipeline.eval.lmms_adapted).
+    adapter = {"pretrained": adapter_base(checkpoint), "adapter": str(checkpoint)} if is_adapter(checkpoint) else None
     model_args = {
-        "pretrained": str(checkpoint),
+        **(adapter or {"pretrained": str(checkpoint)}),
         "min_pixels": m.min_pixels,
         "max_pixels": m.max_pixels,
         "device_map": device,
@@ -217,7 +222,7 @@ def run_spec(cfg: RunConfig, run_dir: Path, checkpoint: str, tasks: list[str], o
     folders = [str(run_dir / TASKS_DIR)] if toy_tasks(cfg) else []
     folders += [str(Path(p).absolute()) for p in cfg.eval.include_path]
     return {
-        "model": LMMS_MODEL,
+        "model": ADAPTED_MODEL if adapter else LMMS_MODEL,
         "model_args": ",".join(f"{k}={v}" for k, v in model_args.items()),
         "tasks": tasks,
         "include_path": folders,

@@ -32,8 +32,11 @@ from pipeline.config import RunConfig
 from pipeline.eval.heldout import Heldout, eval_device, eval_digest, score_model, source_roles, summarise
 from pipeline.layout import DIAGNOSTICS, EVAL, run_models
 from pipeline.merge.driver import _tied
+from pipeline.merge.adapter import AdapterReader
+from pipeline.merge.inputs import rows_of
 from pipeline.merge.io import CheckpointReader, MergeInputError
 from pipeline.models import load_model, load_processor
+from pipeline.models.adapter import is_adapter
 
 FIGURES = ("sources", "max_examples_per_source", "barrier_points")  # eval settings that change the barrier
 ALL_PAIRS_UP_TO = 4  # branches; beyond, consecutive pairs only (K (K − 1) / 2 lines grow too fast)
@@ -117,16 +120,19 @@ def _toward(model: Any, target: Any, t: float) -> None:
 
 
 def distance(path: str | Path, base: str | Path) -> dict[str, float]:
-    """‖θ − θ0‖₂ over every float tensor and its ratio to ‖θ0‖₂, streamed tensor by tensor."""
-    reader, origin = CheckpointReader(path), CheckpointReader(base)
+    """‖θ − θ0‖₂ over every float tensor and its ratio to ‖θ0‖₂, streamed tensor by tensor (a LoRA
+    adapter's ΔW formed from its factors)."""
+    origin = CheckpointReader(base)
+    reader = AdapterReader(path, origin) if is_adapter(path) else CheckpointReader(path)
     shapes, base_shapes = _weights(reader), _weights(origin)
     if shapes != base_shapes:
         differ = sorted({name for name, _ in set(shapes.items()) ^ set(base_shapes.items())})
         raise MergeInputError(f"{path}: tensors differ from θ0's ({base}) in names or shapes: {differ[:5]}")
     squared, base_squared = 0.0, 0.0
-    for name in shapes:
+    for name, shape in shapes.items():
         theta0 = origin.get(name).float()
-        squared += float(torch.linalg.vector_norm(reader.get(name).float().sub_(theta0))) ** 2
+        x = reader.reader(name)(0, rows_of(shape)[0]).float().reshape(shape)
+        squared += float(torch.linalg.vector_norm(x if reader.is_delta(name) else x.sub_(theta0))) ** 2
         base_squared += float(torch.linalg.vector_norm(theta0)) ** 2
     return {"l2": squared**0.5, "relative": (squared / base_squared) ** 0.5}
 

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
+from pipeline.merge.adapter import AdapterReader
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
 from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
@@ -70,12 +71,23 @@ def merge_tensor(
     if method.is_linear:
         base_coefficient, coefficients = method.coefficients(weights, params)
         return inputs.combine(coefficients.tolist(), base_coefficient)
-    merged = method.merge(inputs, weights.to(inputs.device), ctx, params)
+    merged = merged_task_vector(method, params, inputs, weights, ctx)
     if inputs.base is not None:
         merged.add_(inputs.base_tensor())
     if not finite(merged):
         raise MergeInputError(f"tensor {ctx.name}: the merged values overflow float32")
     return merged
+
+
+def merged_task_vector(
+    method: MergeMethod, params: MethodParams, inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext
+) -> torch.Tensor:
+    """The merged τ of one tensor (θ − θ0). A linear method's combination is affine (its
+    coefficients of θ0 and the θ_k sum to 1), so its τ is Σ_k c_k τ_k."""
+    if method.is_linear:
+        base_coefficient, coefficients = method.coefficients(weights, params)
+        return inputs.combine(coefficients.tolist(), base_coefficient - 1.0)
+    return method.merge(inputs, weights.to(inputs.device), ctx, params)
 
 
 def merge_state_dicts(
@@ -144,6 +156,10 @@ def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence
 def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> MergeReport:
     """Merge checkpoint folders as the spec says; write a loadable checkpoint atomically.
     ``meta`` goes into the output's manifest (e.g. the identities of the inputs)."""
+    if spec.out_format == "adapter":
+        from pipeline.merge.to_adapter import merge_to_adapter
+
+        return merge_to_adapter(spec, progress, **meta)
     start = time.perf_counter()
     run = _CheckpointMerge(spec)
     report = run.report
@@ -177,8 +193,10 @@ class _CheckpointMerge:
     def __init__(self, spec: MergeSpec):
         self.spec, self.rules, self.weights = spec, spec.effective_rules, spec.normalized_weights()
         self.base = CheckpointReader(spec.base_model) if spec.base_model else None
-        self.models = [CheckpointReader(entry.path) for entry in spec.models]
-        self.labels = [entry.path for entry in spec.models]
+        self.models = [
+            AdapterReader(e.adapter, self.base) if e.adapter else CheckpointReader(e.path) for e in spec.models
+        ]
+        self.labels = [entry.source for entry in spec.models]
         with_fisher = all(e.fisher for e in spec.models)
         self.fishers = [CheckpointReader(entry.fisher) for entry in spec.models] if with_fisher else None
         self.readers = [r for r in (self.base, *self.models) if r is not None]
@@ -204,29 +222,40 @@ class _CheckpointMerge:
         return dtype
 
     def merge(self, name: str) -> torch.Tensor:
+        """θ's tensor ``name``. Where every input is an adapter that leaves it alone every τ_k is 0,
+        and so is the merged τ of every method: θ0's tensor is copied (at 7B most of the bytes)."""
         method, params = choose(name, self.rules)
-        self.report.methods[name] = method.name
         start, read_before = time.perf_counter(), self.report.read_seconds
-        timed, shape = self.report.timed, self.models[0].info[name].shape
+        shape = self.models[0].info[name].shape
         if not self.models[0].info[name].dtype.is_floating_point:
-            merged = timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
+            merged = self.report.timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
+        elif not any(m.touches(name) for m in self.models):
+            merged, method = self.report.timed(self.base.reader(name))(0, rows_of(shape)[0]).reshape(shape), None
         else:
-            fishers = self._fishers_of(name) if method.needs_fisher else None
-            inputs = TensorInputs(
-                name,
-                shape,
-                [timed(m.reader(name)) for m in self.models],
-                self.labels,
-                base=timed(self.base.reader(name)) if self.base else None,
-                base_label=str(self.spec.base_model),
-                device=self.spec.device,
-                block_bytes=self.spec.block_mb << 20,
-                workspace=self.workspace,
-                fishers=fishers and [timed(f.reader(name)) for f in fishers],
-            )
-            merged = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.spec.seed))
+            merged = merge_tensor(method, params, self.inputs(name, method), self.weights, self.context(name))
+        self.report.methods[name] = method.name if method else "base (no adapter changes it)"
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
+
+    def inputs(self, name: str, method: MergeMethod) -> TensorInputs:
+        timed = self.report.timed
+        fishers = self._fishers_of(name) if method.needs_fisher else None
+        return TensorInputs(
+            name,
+            self.models[0].info[name].shape,
+            [timed(m.reader(name)) for m in self.models],
+            self.labels,
+            base=timed(self.base.reader(name)) if self.base else None,
+            base_label=str(self.spec.base_model),
+            device=self.spec.device,
+            block_bytes=self.spec.block_mb << 20,
+            workspace=self.workspace,
+            fishers=fishers and [timed(f.reader(name)) for f in fishers],
+            deltas=[m.is_delta(name) for m in self.models],
+        )
+
+    def context(self, name: str) -> TensorContext:
+        return TensorContext(name, self.spec.seed)
 
     def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
         """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""

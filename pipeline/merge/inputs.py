@@ -2,7 +2,8 @@
 
 :class:`TensorInputs` holds K readers (one per model, or per DiLoCo pseudo-gradient), θ0's
 reader and, for the Fisher merge, K readers of Fisher values. A reader returns rows
-``[start, stop)`` of a stored tensor as stored (a safetensors slice: only those bytes are read).
+``[start, stop)`` of a stored tensor as stored (a safetensors slice: only those bytes are read),
+or, for an input marked as a delta (a LoRA adapter, ``pipeline.merge.adapter``), rows of τ_k itself.
 Methods see the inputs through four views, each in fp32 on the compute device:
 
 - ``combine(c, c0)``: Σ_k c_k x_k + c0 θ0, one input at a time (averages, Iso-C's mean);
@@ -75,9 +76,12 @@ class TensorInputs:
         block_bytes: int = 1 << 30,
         workspace: Workspace | None = None,
         fishers: Sequence[Reader] | None = None,
+        deltas: Sequence[bool] | None = None,
     ):
         self.name, self.shape, self.device = name, tuple(shape), device
         self.inputs, self.labels, self.base, self.base_label = list(inputs), list(labels), base, base_label
+        # Inputs whose reader gives τ_k itself (a LoRA adapter's B A), not a model's θ_k.
+        self.deltas = list(deltas) if deltas is not None else [False] * len(self.inputs)
         self.fishers, self.workspace = fishers, workspace or Workspace()
         rows, per_row = rows_of(self.shape)
         # fp32 rows a block holds: the K task vectors and θ0's, and with Fisher values their K rows
@@ -118,7 +122,9 @@ class TensorInputs:
         return self._whole(self.base, self.base_label)
 
     def combine(self, coefficients: Sequence[float], base_coefficient: float = 0.0) -> torch.Tensor:
-        """Σ_k c_k x_k + c0 θ0 in fp32, one input at a time; θ0 is read only when c0 ≠ 0."""
+        """Σ_k c_k x_k + c0 θ0 in fp32, one input at a time, x_k = θ0 + τ_k for a task-vector
+        input; θ0 is read only when its coefficient is not 0."""
+        base_coefficient += sum(c for c, delta in zip(coefficients, self.deltas) if delta)
         out = None
         for c, reader, label in zip(coefficients, self.inputs, self.labels):
             x = self._whole(reader, label)
@@ -137,7 +143,7 @@ class TensorInputs:
     def task(self, k: int) -> torch.Tensor:
         """τ_k = x_k − θ0, whole, in fp32."""
         x = self._whole(self.inputs[k], self.labels[k]).to(torch.float32, copy=True)  # never the caller's tensor
-        return x.sub_(self.base_tensor()) if self.base is not None else x
+        return x.sub_(self.base_tensor()) if self.base is not None and not self.deltas[k] else x
 
     def block(self, i: int) -> torch.Tensor:
         """The (K, n_i) fp32 task vectors of block i: scratch space, which a method may overwrite
@@ -149,8 +155,14 @@ class TensorInputs:
         stack = self.workspace.get(self.k * n, self.device).view(self.k, n)
         for k, (reader, label) in enumerate(zip(self.inputs, self.labels)):
             stack[k].copy_(self._read(reader, label, a, b).reshape(-1))
-        if self.base is not None:
-            stack.sub_(self._read(self.base, self.base_label, a, b).reshape(1, -1))
+        models = [k for k, delta in enumerate(self.deltas) if not delta]
+        if self.base is not None and models:
+            base = self._read(self.base, self.base_label, a, b).reshape(-1)
+            if len(models) == self.k:
+                stack.sub_(base)
+            else:
+                for k in models:
+                    stack[k].sub_(base)
         if len(self.row_blocks) == 1:
             self._kept = (i, stack)
         return stack

@@ -100,6 +100,14 @@ class CheckpointReader:
                 raise MergeInputError(f"{file}: cannot read safetensors ({err}); corrupt or truncated?") from err
         return self._handles[file]
 
+    def is_delta(self, name: str) -> bool:
+        """A checkpoint's tensors are a model's, never task vectors (an adapter's are: ``AdapterReader``)."""
+        return False
+
+    def touches(self, name: str) -> bool:
+        """Whether this input may differ from θ0 in ``name``: a full checkpoint may differ anywhere."""
+        return True
+
     def get(self, name: str) -> torch.Tensor:
         file = self.location[name]
         try:
@@ -129,19 +137,21 @@ class CheckpointReader:
             raise MergeInputError(f"{path}: not valid JSON ({err})") from err
 
     def aux_files(self) -> list[Path]:
-        """Files beside the weights that a loadable checkpoint needs (config, tokenizer,
-        processor, chat template, generation config), never weights, a manifest or a hidden
-        file (a verification record)."""
-        if self.path.is_file():
-            return []
-        return sorted(
-            p
-            for p in self.path.iterdir()
-            if p.is_file()
-            and p.name != "manifest.json"
-            and not p.name.startswith(".")
-            and not p.name.endswith(WEIGHT_SUFFIXES)
-        )
+        return [] if self.path.is_file() else aux_files(self.path)
+
+
+def aux_files(folder: Path) -> list[Path]:
+    """Files beside the weights that a loadable checkpoint needs (config, tokenizer, processor,
+    chat template, generation config), never weights, a manifest or a hidden file (a
+    verification record)."""
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file()
+        and p.name != "manifest.json"
+        and not p.name.startswith(".")
+        and not p.name.endswith(WEIGHT_SUFFIXES)
+    )
 
 
 def plan_shards(tensors: dict[str, TensorInfo], max_shard_bytes: int) -> list[list[str]]:
@@ -166,12 +176,17 @@ class ShardedWriter:
     """
 
     def __init__(
-        self, folder: Path, tensors: dict[str, TensorInfo], max_shard_bytes: int, metadata: dict | None = None
+        self,
+        folder: Path,
+        tensors: dict[str, TensorInfo],
+        max_shard_bytes: int,
+        metadata: dict | None = None,
+        single: str = SINGLE,
     ):
         self.folder, self.tensors = folder, tensors
         self.shards = plan_shards(tensors, max_shard_bytes)
         n = len(self.shards)
-        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.names = [single] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.metadata = {"format": "pt", **(metadata or {})}
         self.order = [name for shard in self.shards for name in shard]
         self._shard_starts = {shard[0]: i for i, shard in enumerate(self.shards)}

@@ -9,9 +9,14 @@ Two ways:
   ≈ [0.7, 1.2], followed by 4 cubic steps (1.5, −0.5, 0), which converge quadratically to
   exactly 1 from there. Measured errors: README, ``merit bench isoc``.
 
-Iso(M) = mean(S) · U Vᵀ. With O = polar(M), mean(S) = ⟨M, U Vᵀ⟩ / min(m, n), so
-``scale="inner"`` uses ⟨M, O⟩ / min(m, n) (exact when O is); ``scale="rms"`` uses
-‖M‖_F / √min(m, n) = RMS(S), the cheaper proxy, which over-estimates mean(S) on steep spectra.
+Iso(M) = mean(S) · U Vᵀ over the support of M: the singular directions whose value is above
+numerical zero (``support``). A full fine-tune's M has full rank and the support is all of it;
+a LoRA merge's M has rank ≤ Σ r_k, and its other singular vectors are an arbitrary basis of the
+null space (LAPACK's choice), so a spectral method that used them would give a result that is
+not a function of M. Newton–Schulz maps the null space to 0 by itself (odd polynomials); with
+O = polar(M), mean(S) = ⟨M, O⟩ / ‖O‖_F², so ``scale="inner"`` uses that (exact when O is);
+``scale="rms"`` uses ‖M‖_F / √min(m, n) = RMS(S), the cheaper proxy, which over-estimates
+mean(S) on steep spectra.
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ CUBIC = (1.5, -0.5, 0.0)
 DEFAULT_SCHEDULE: tuple[tuple[float, float, float], ...] = (MUON_QUINTIC,) * 8 + (CUBIC,) * 4
 
 Orthogonaliser = Literal["svd", "newton_schulz"]
+
+
+def support(s: torch.Tensor, shape: tuple[int, ...], top: float | None = None) -> int:
+    """How many singular values (descending) are above numerical zero: ``torch.linalg.matrix_rank``'s
+    tolerance, σ_max · max(m, n) · ε of fp32, with σ_max that of ``s`` or of the matrix ``s``
+    was derived from (``top``: a residual's zero is the original's)."""
+    top = float(s[0]) if top is None and len(s) else top or 0.0
+    return int((s > top * max(shape) * torch.finfo(torch.float32).eps).sum()) if top > 0 else 0
 
 
 def newton_schulz(m: torch.Tensor, schedule=DEFAULT_SCHEDULE, eps: float = 1e-7) -> torch.Tensor:
@@ -52,10 +65,11 @@ def iso(
     m: torch.Tensor, method: Orthogonaliser = "svd", scale: Literal["inner", "rms"] = "inner", schedule=DEFAULT_SCHEDULE
 ) -> torch.Tensor:
     """mean(S) · U Vᵀ: the spectrum of ``m`` flattened to its mean (Iso-C's core)."""
-    rank = min(m.shape)
     if method == "svd":
         u, s, vh = torch.linalg.svd(m.float(), full_matrices=False)
-        return s.mean() * (u @ vh)
+        r = support(s, m.shape)
+        return s[:r].mean() * (u[:, :r] @ vh[:r]) if r else torch.zeros_like(m, dtype=torch.float32)
     o = newton_schulz(m, schedule)
+    rank = o.square().sum() if scale == "inner" else min(m.shape)
     factor = (m.float() * o).sum() / rank if scale == "inner" else m.float().norm() / rank**0.5
     return factor * o

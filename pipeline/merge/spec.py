@@ -4,11 +4,13 @@
 base_model: runs/demo/init            # θ0 (optional for weighted_average)
 models:
   - {path: runs/demo/branches/0/final, tokens: 41200}   # or weight: 0.5; optional fisher: DIR
-  - {path: runs/demo/branches/1/final, tokens: 39800}
+  - {adapter: runs/lora/branches/1/final, tokens: 39800}  # a PEFT LoRA adapter over base_model
 method: iso_c                          # or rules: [{group|pattern, method, params}, ...]
 params: {scale: 1.0}
 out_path: runs/demo/merged/iso_c
 out_dtype: null                        # default: the models' dtype (the wider one if they differ)
+out_format: model                      # or adapter: a PEFT LoRA adapter (every input an adapter)
+adapter_rank: null                     # out_format adapter, methods other than the linear ones
 device: cpu                            # or cuda
 block_mb: 1024                         # working memory of TIES, DARE and Fisher per block
 ```
@@ -36,16 +38,23 @@ OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 
 class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    path: str
+    path: str | None = None  # a checkpoint folder (or safetensors file)
+    adapter: str | None = None  # or a PEFT LoRA adapter folder over base_model
     weight: float | None = Field(None, ge=0.0)
     tokens: int | None = Field(None, ge=0)
     fisher: str | None = None  # a checkpoint of diagonal Fisher values with the same tensor names
 
     @model_validator(mode="after")
     def _weight_or_tokens(self) -> ModelEntry:
+        if (self.path is None) == (self.adapter is None):
+            raise ValueError(f"model {self.source}: give path or adapter, not both")
         if self.weight is not None and self.tokens is not None:
-            raise ValueError(f"model {self.path}: give weight or tokens, not both")
+            raise ValueError(f"model {self.source}: give weight or tokens, not both")
         return self
+
+    @property
+    def source(self) -> str:
+        return self.path or self.adapter or "(neither path nor adapter)"
 
     @property
     def raw_weight(self) -> float:
@@ -63,6 +72,10 @@ class MergeSpec(BaseModel):
     rules: list[Rule] | None = None
     out_path: str
     out_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    out_format: Literal["model", "adapter"] = "model"
+    # out_format adapter: the rank each merged ΔW is truncated to by SVD (the linear methods need
+    # none: their ΔW is the inputs' B A side by side, exact at rank Σ r_k).
+    adapter_rank: int | None = Field(None, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
     seed: int = 0
     max_shard_size: int = Field(2 * 1024**3, ge=1)  # bytes per output shard
@@ -80,6 +93,17 @@ class MergeSpec(BaseModel):
             not get_method(m).is_linear or m == "task_arithmetic" for m in self.method_names
         ):
             raise ValueError(f"methods {self.method_names} need base_model (θ0)")
+        if self.base_model is None and any(e.adapter for e in self.models):
+            raise ValueError("adapters need base_model (the θ0 they were trained on)")
+        if self.out_format == "adapter":
+            if not all(e.adapter for e in self.models):
+                raise ValueError("out_format adapter needs every model to be an adapter")
+            nonlinear = [m for m in self.method_names if not get_method(m).is_linear]
+            if nonlinear and self.adapter_rank is None:
+                raise ValueError(
+                    f"out_format adapter: the merged ΔW of {nonlinear} is not low-rank; give adapter_rank "
+                    "(the rank its SVD is truncated to, e.g. the inputs' rank)"
+                )
         if any(get_method(m).needs_fisher for m in self.method_names) and any(e.fisher is None for e in self.models):
             raise ValueError("the fisher method needs 'fisher' for every model")
         if len({e.tokens is None for e in self.models}) > 1:

@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import MANIFEST, verify_checkpoint
 from pipeline.config import FreezeSection, ModelSection
+from pipeline.models.adapter import adapter_base, is_adapter, merge_adapter
 from pipeline.threads import fit_threads_to_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -33,6 +34,8 @@ def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:
     """The dtype a model is loaded in: ``model.dtype``, or for ``auto`` the one its config names."""
     if model_cfg.dtype != "auto":
         return DTYPES[model_cfg.dtype]
+    if is_adapter(path):
+        return checkpoint_dtype(model_cfg, adapter_base(path))
     config = json.loads((Path(path) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
     return DTYPES.get(name or "float32", torch.float32)
@@ -43,16 +46,20 @@ def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
     small model runs this thread single-threaded (``pipeline.threads.fit_threads_to_model``).
 
     A local folder written by this project carries a manifest: it is verified first, so a
-    corrupt or half-copied checkpoint fails here with the file named, not deep in a forward.
+    corrupt or half-copied checkpoint fails here with the file named, not deep in a forward. A
+    LoRA branch's adapter folder loads as its θ0 with the adapter merged in (θ0 + ΔW).
     """
     if (Path(name_or_path) / MANIFEST).is_file():
         verify_checkpoint(name_or_path)
+    adapter = name_or_path if is_adapter(name_or_path) else None
     model = AutoModelForImageTextToText.from_pretrained(
-        str(name_or_path),
+        adapter_base(adapter) if adapter else str(name_or_path),
         dtype=DTYPES[model_cfg.dtype],
         attn_implementation=model_cfg.attn_implementation,
         trust_remote_code=model_cfg.trust_remote_code,
     )
+    if adapter:
+        model = merge_adapter(model, adapter)
     apply_freeze(model, model_cfg.freeze)
     fit_threads_to_model(sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))  # ZeRO-3: partitioned
     return model

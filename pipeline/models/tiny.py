@@ -73,15 +73,17 @@ def build_tiny_processor(model_cfg: ModelSection, seed: int) -> Qwen2_5_VLProces
     )
 
 
-def tiny_config(tiny: TinyModelSection, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
-    ids = tokenizer.convert_tokens_to_ids
+def tiny_config(tiny: TinyModelSection, tokenizer: Qwen2Tokenizer | None) -> Qwen2_5_VLConfig:
+    """The tiny model's config; without a tokenizer (a skeleton to look at, never to run), the
+    special tokens get placeholder ids."""
+    ids = tokenizer.convert_tokens_to_ids if tokenizer is not None else lambda token: 0
     half_head = tiny.hidden_size // tiny.num_heads // 2
     # Qwen's 3-D rope splits each head's rotary half into (time, height, width) sections.
     mrope = [half_head // 4, (half_head - half_head // 4) // 2]
     mrope.append(half_head - sum(mrope))
     return Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": max(len(tokenizer), tiny.embedding_rows or 0),
+            "vocab_size": max(len(tokenizer) if tokenizer is not None else tiny.vocab_size, tiny.embedding_rows or 0),
             "hidden_size": tiny.hidden_size,
             "intermediate_size": tiny.intermediate_size,
             "num_hidden_layers": tiny.num_layers,

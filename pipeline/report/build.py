@@ -252,6 +252,18 @@ def _branch(run_dir: Path, name: str, kind: str, folder: Path, records: list[dic
         "steps": final.get("step", last.get("step")),
         "train_seconds": final["train_seconds"] if "train_seconds" in final else train_seconds(records),
         "last_loss": last.get("loss"),
+    } | _adapter_facts(folder / "final", final)
+
+
+def _adapter_facts(final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA branch's rank, modules, trainable parameters and adapter bytes."""
+    lora = manifest.get("lora")
+    if not lora:
+        return {}
+    return {
+        "lora": {k: lora[k] for k in ("rank", "alpha", "modules", "modules_to_save")},
+        "trainable_parameters": lora["trainable_parameters"],
+        "adapter_mb": sum(f.stat().st_size for f in final.glob("adapter_model*.safetensors")) / 1e6,
     }
 
 
@@ -310,7 +322,12 @@ def _merges(cfg: RunConfig, run_dir: Path) -> dict[str, dict[str, Any]]:
         if (folder / MANIFEST).is_file():
             manifest = read_checkpoint_manifest(folder)
             spec, report = manifest.get("spec", {}), manifest.get("report", {})
-            merges[folder.name] = {"method": spec.get("method") or "rules", "seconds": report.get("total_seconds")}
+            merges[folder.name] = {
+                "method": spec.get("method") or "rules",
+                "seconds": report.get("total_seconds"),
+                "on_adapters": any(m.get("adapter") for m in spec.get("models", [])),
+                "format": spec.get("out_format", "model"),
+            }
     return merges
 
 
@@ -380,6 +397,8 @@ def _tables(
             "train_seconds": "train seconds",
             "last_loss": "last training loss",
         }
+        if any("lora" in b for b in branches):
+            columns |= {"trainable_parameters": "trainable parameters", "adapter_mb": "adapter MB"}
         rows = [[_r(_brief(b[k]) if k == "sources" else b.get(k)) for k in columns] for b in branches]
         tables["branches"] = {"headers": list(columns.values()), "rows": rows}
     if "groups" in split:
@@ -504,6 +523,7 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         section(
             "Branches",
             _budget_line(report.get("budget", {}), report["branches"]),
+            _lora_line(report["branches"], report.get("costs", {}).get("merges", {})),
             figure.get("training_curves.png", ""),
             markdown_table(**tables["branches"]),
         )
@@ -535,6 +555,27 @@ def _markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
 
 
 ROLE_WORDS = {"finetune": "fine-tuning", "warmup": "warm-up (θ0)", "unseen": "unseen", "retention": "retention"}
+
+
+def _lora_line(branches: list[dict[str, Any]], merges: dict[str, dict[str, Any]]) -> str:
+    """What LoRA branches adapted, and which merges combined their ΔW."""
+    lora = next((b["lora"] for b in branches if "lora" in b), None)
+    if lora is None:
+        return ""
+    line = (
+        f"LoRA branches: rank {lora['rank']}, alpha {lora['alpha']:g}, on {len(lora['modules'])} modules "
+        f"({_brief(lora['modules'], 4)})"
+        + (f", {', '.join(lora['modules_to_save'])} trained in full" if lora["modules_to_save"] else "")
+        + "."
+    )
+    on_delta = [
+        f"`{name}`" + (" (as an adapter)" if m["format"] == "adapter" else "")
+        for name, m in merges.items()
+        if m.get("on_adapters")
+    ]
+    if on_delta:
+        line += f" Merged on ΔW = (alpha / rank) · B A of each adapted module: {', '.join(on_delta)}."
+    return line
 
 
 def _budget_line(budget: dict[str, Any], branches: list[dict[str, Any]]) -> str:

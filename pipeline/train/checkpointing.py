@@ -17,9 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch.distributed as dist
 
-from pipeline.checkpoint import save_pretrained_checkpoint, write_json_atomic
+from pipeline.checkpoint import checkpoint_id, save_pretrained_checkpoint, write_json_atomic
+from pipeline.layout import WARMUP
+from pipeline.train.engine import Engine
+from pipeline.train.lora import lora_summary, merged_state
 from pipeline.train.spec import BranchSpec
 
 LATEST = "latest.json"
@@ -38,6 +42,7 @@ class Checkpointer:
     def __init__(self, spec: BranchSpec, engine: Any, rank: int):
         self.spec, self.engine, self.rank = spec, engine, rank
         self.folder, self.digest = Path(spec.out_dir) / "checkpoints", spec.digest()
+        self.lora = spec.train.finetuning_type == "lora"
 
     def latest(self) -> Path | None:
         """The folder of the last whole checkpoint, if any."""
@@ -52,7 +57,13 @@ class Checkpointer:
         tag = latest.name
         # DeepSpeed asserts (no message) on a missing tag folder and returns None on an unreadable one.
         exists = (self.folder / tag).is_dir()
-        path, client = self.engine.load_checkpoint(str(self.folder), tag=tag) if exists else (None, None)
+        # A LoRA branch's checkpoints hold what trains (the adapters), not θ0's frozen weights.
+        strict = not self.lora
+        path, client = (
+            self.engine.load_checkpoint(str(self.folder), tag=tag, load_module_strict=strict)
+            if exists
+            else (None, None)
+        )
         if path is None:
             raise RuntimeError(
                 f"branch {self.spec.name}: {self.folder / LATEST} names {tag}, which cannot be loaded; "
@@ -70,7 +81,10 @@ class Checkpointer:
         folder before the pointer names it."""
         tag = f"step{state.step}"
         self.engine.save_checkpoint(
-            str(self.folder), tag=tag, client_state={**asdict(state), "spec_digest": self.digest}
+            str(self.folder),
+            tag=tag,
+            client_state={**asdict(state), "spec_digest": self.digest},
+            exclude_frozen_parameters=self.lora,
         )
         if extra is not None and self.rank == 0:
             extra(self.folder / tag)
@@ -83,10 +97,12 @@ class Checkpointer:
                 shutil.rmtree(self.folder / previous, ignore_errors=True)
         dist.barrier()
 
-    def save_final(self, model: Any, processor: Any, state: TrainState) -> None:
-        """A full Hugging Face checkpoint written by rank 0, in the engine's dtype (bf16 where the
-        branch trains in bf16). Under ZeRO-3 the partitions are gathered one module at a time
-        onto rank 0's CPU memory, so no GPU ever holds the whole model."""
+    def save_final(self, trained: Engine, state: TrainState) -> None:
+        """The branch's ``final/``, written by rank 0: a full Hugging Face checkpoint in the engine's
+        dtype (bf16 where the branch trains in bf16), or a LoRA branch's PEFT adapter folder
+        (a LoRA warm-up's adapter merged into θ0's weights: θ0 is a model). Under ZeRO-3 the
+        partitions are gathered one module at a time onto rank 0's CPU memory, so no GPU ever
+        holds the whole model."""
         meta = {
             "step": state.step,
             "tokens_seen": state.tokens_seen,
@@ -96,11 +112,39 @@ class Checkpointer:
             "parent": self.spec.init,
             "branch": self.spec.name,
             "sources": self.spec.sources,
+            "finetuning_type": self.spec.train.finetuning_type,
         }
-        weights = None
-        if self.engine.zero_optimization_stage() == 3:  # every rank takes part in the gathering
-            gathered = self.engine._zero3_consolidated_16bit_state_dict()
-            weights = gathered and {k.removeprefix("model."): v for k, v in gathered.items()}  # SupervisedLoss.model
+        adapter = trained.peft is not None and self.spec.name != WARMUP
+        if adapter:
+            weights = self._gathered({n: p for n, p in trained.engine.module.named_parameters() if p.requires_grad})
+            meta |= {"base_model": checkpoint_id(self.spec.init), "lora": lora_summary(trained.peft)}
+            weights = weights and {_peft_name(n): t for n, t in weights.items()}
+        else:
+            weights = self._gathered(None)
+            if weights is not None and trained.peft is not None:
+                weights = merged_state(weights, self.spec.train.lora_scaling)
         if self.rank == 0:
-            save_pretrained_checkpoint(Path(self.spec.out_dir) / "final", model, processor, weights, **meta)
+            model = trained.peft if adapter else trained.model
+            save_pretrained_checkpoint(Path(self.spec.out_dir) / "final", model, trained.processor, weights, **meta)
         dist.barrier()
+
+    def _gathered(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Whole tensors of ``params`` (default: the whole model) without SupervisedLoss's prefix,
+        on rank 0; None where the model as it lives already holds them (ZeRO-0/2, no LoRA merge)."""
+        zero3 = self.engine.zero_optimization_stage() == 3
+        if params is None:
+            if zero3:  # every rank takes part in the gathering
+                gathered = self.engine._zero3_consolidated_16bit_state_dict()
+                return gathered and {k.removeprefix("model."): v for k, v in gathered.items()}
+            if self.spec.train.finetuning_type == "full":
+                return None
+            return {k.removeprefix("model."): v for k, v in self.engine.module.state_dict().items()}
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=zero3):
+            if self.rank != 0:
+                return None
+            return {k.removeprefix("model."): p.detach().cpu().clone() for k, p in params.items()}
+
+
+def _peft_name(name: str) -> str:
+    """An HF model's parameter name as its PeftModel's (``state_dict=`` of PEFT's save_pretrained)."""
+    return f"base_model.model.{name}"

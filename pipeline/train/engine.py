@@ -25,6 +25,7 @@ from pipeline.config import TrainSection
 from pipeline.models import load_model, load_processor
 from pipeline.models.loading import checkpoint_dtype
 from pipeline.models.loss import SupervisedLoss
+from pipeline.train.lora import apply_lora, lora_summary
 from pipeline.train.spec import BranchSpec
 
 
@@ -86,6 +87,7 @@ class Engine:
     processor: Any
     scheduler: Any
     zero3: Any = None  # keeps transformers' ZeRO-3 integration alive while the model lives
+    peft: Any = None  # a LoRA branch's PeftModel over ``model`` (whose modules carry the adapters)
 
     @property
     def lr(self) -> float:
@@ -104,8 +106,17 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
         model.__dict__.pop("_weight_conversions", None)
     if spec.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft = apply_lora(model, spec.train, spec.init) if spec.train.finetuning_type == "lora" else None
+    if peft is not None and int(os.environ.get("RANK", 0)) == 0:
+        summary = lora_summary(peft)
+        print(
+            f"branch {spec.name}: LoRA rank {summary['rank']} (alpha {summary['alpha']:g}) on "
+            f"{len(summary['modules'])} modules ({', '.join(summary['modules'])}), "
+            f"{summary['trainable_parameters']:,} trainable parameters",
+            flush=True,
+        )
     optimizer, scheduler = make_optimizer(model, spec.train)
     engine, *_ = deepspeed.initialize(
         model=SupervisedLoss(model, spec.train.loss_chunk), optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
-    return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3)
+    return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3, peft)

@@ -36,6 +36,7 @@ def warmup_spec(cfg: RunConfig, run_dir: str | Path) -> BranchSpec:
         Path(run_dir) / WARMUP,
         steps=w.steps,
         lr=w.lr or cfg.train.lr,
+        finetuning_type=w.finetuning_type,
     )
 
 

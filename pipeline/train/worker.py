@@ -127,7 +127,7 @@ def main(spec_path: str) -> None:
             if checkpointer.due(branch.state):
                 checkpointer.save(branch.state)
                 branch.metrics.flush()
-        checkpointer.save_final(branch.engine.model, branch.engine.processor, branch.state)
+        checkpointer.save_final(branch.engine, branch.state)
     finally:
         branch.metrics.close()  # the event files, up to the failure
     if branch.rank.rank == 0:

@@ -1,5 +1,6 @@
 """TSV-Merge (Gargiulo et al. 2025), per 2-D tensor: SVD each weighted task vector w_k τ_k, keep
-its top ⌊min(m, n) / K⌋ components, concatenate the U's, singular values and V's, replace the
+its top ⌊min(m, n) / K⌋ components (those of its support: a LoRA task vector of rank r keeps at
+most r, ``linalg.support``), concatenate the U's, singular values and V's, replace the
 concatenated U and V by their polar factors (removing the interference between task
 subspaces), and reconstruct U⊥ Σ V⊥ᵀ; θ = θ0 + α · that. Non-2-D tensors: weighted average.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.linalg import polar
+from pipeline.merge.linalg import polar, support
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 
 
@@ -24,9 +25,12 @@ def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, param
     us, ss, vs = [], [], []
     for k, w in enumerate(weights.tolist()):  # one task vector at a time: its top components are kept
         u, s, vh = torch.linalg.svd(inputs.task(k).mul_(w), full_matrices=False)
-        us.append(u[:, :rank].clone())  # copies: a view would keep the whole factor alive
-        ss.append(s[:rank].clone())
-        vs.append(vh[:rank].T.clone())
+        kept = min(rank, support(s, inputs.shape))
+        us.append(u[:, :kept].clone())  # copies: a view would keep the whole factor alive
+        ss.append(s[:kept].clone())
+        vs.append(vh[:kept].T.clone())
+    if not sum(len(s) for s in ss):
+        return torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
     u_perp, v_perp = polar(torch.cat(us, 1)), polar(torch.cat(vs, 1))
     return params.scale * (u_perp * torch.cat(ss)) @ v_perp.T
 

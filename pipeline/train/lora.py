@@ -1,0 +1,105 @@
+"""LoRA branches through PEFT: the modules a branch adapts, the PEFT model over them, and the
+weights it saves.
+
+``train.lora_target: all`` adapts every linear layer whose weight would train in a full
+fine-tune, except ``lm_head``: the freeze options decide which parts (the vision blocks and the
+projector only when they are not frozen), as in LLaMA-Factory. The adapter's base is θ0, never
+changed: ΔW = (alpha / rank) · B A per adapted module, which is what the merge library combines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+
+from pipeline.config import TrainSection
+
+
+def _matches(module: str, name: str) -> bool:
+    """PEFT's rule for a target name: the module's path, or the path's last dotted parts."""
+    return module == name or module.endswith("." + name)
+
+
+def lora_targets(model: torch.nn.Module, t: TrainSection) -> list[str]:
+    """The paths of the linear modules LoRA adapts (an error names targets that match nothing)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    trainable = {name for name, m in linears.items() if m.weight.requires_grad and name != "lm_head"}
+    if t.lora_target == "all":
+        chosen = sorted(trainable)
+    else:
+        unknown = [x for x in t.lora_target if not any(_matches(n, x) for n in linears)]
+        if unknown:
+            names = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            raise ValueError(f"train.lora_target {unknown} match no linear module; the model's linear modules: {names}")
+        chosen = sorted(n for n in trainable if any(_matches(n, x) for x in t.lora_target))
+    if not chosen:
+        raise ValueError(
+            f"train.finetuning_type lora: nothing to adapt, every module of lora_target {t.lora_target!r} is frozen "
+            "(model.freeze)"
+        )
+    return chosen
+
+
+def check_additional_targets(model: torch.nn.Module, t: TrainSection) -> None:
+    modules = [name for name, _ in model.named_modules()]
+    unknown = [x for x in t.additional_target if not any(_matches(n, x) for n in modules)]
+    if unknown:
+        raise ValueError(f"train.additional_target {unknown} match no module of the model")
+
+
+def apply_lora(model: torch.nn.Module, t: TrainSection, base: str) -> PeftModel:
+    """The model with LoRA on its targets (PEFT freezes everything else); ``base`` (θ0's path) is
+    the adapter's ``base_model_name_or_path``. The HF model inside, ``.base_model.model``, carries
+    the LoRA layers in place: that is the module the trainer's loss runs."""
+    check_additional_targets(model, t)
+    config = LoraConfig(
+        r=t.lora_rank,
+        lora_alpha=t.lora_scaling * t.lora_rank,
+        lora_dropout=t.lora_dropout,
+        target_modules=lora_targets(model, t),
+        modules_to_save=t.additional_target or None,
+        base_model_name_or_path=base,
+    )
+    peft = get_peft_model(model, config)
+    if t.gradient_checkpointing:
+        # Frozen embeddings give checkpointed blocks inputs without grad, and no grad would reach
+        # the adapters inside them (PEFT's own advice).
+        model.enable_input_require_grads()
+    return peft
+
+
+def lora_summary(peft: PeftModel) -> dict[str, Any]:
+    """What a LoRA branch trains, for its log and manifest."""
+    config = peft.peft_config["default"]
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft.parameters() if p.requires_grad)
+    # The modules as adapted (PEFT may store a long target list as the shortest suffixes that match it).
+    modules = [n.removeprefix("base_model.model.") for n, m in peft.named_modules() if isinstance(m, LoraLayer)]
+    return {
+        "rank": config.r,
+        "alpha": config.lora_alpha,
+        "modules": sorted(modules),
+        "modules_to_save": sorted(config.modules_to_save or []),
+        "trainable_parameters": trainable,
+    }
+
+
+def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A PEFT model's full state dict (``…q_proj.base_layer.weight``, ``…lora_A.default.weight``)
+    as the plain model's, each adapted weight W + scaling · B A: a LoRA warm-up's θ0."""
+    out = {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            module = name.removesuffix(".base_layer.weight")
+            a, b = state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"]
+            delta = (b.float() @ a.float()).mul_(scaling)
+            out[f"{module}.weight"] = (tensor.float() + delta).to(tensor.dtype)
+        elif ".modules_to_save." in name:
+            out[name.replace(".modules_to_save.default.", ".")] = tensor
+        elif ".original_module." not in name:
+            out[name.replace(".base_layer.", ".")] = tensor
+    return out

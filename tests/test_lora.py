@@ -1,0 +1,192 @@
+"""LoRA branches: PEFT adapters trained by real DeepSpeed processes, loaded by PEFT, resumed
+after SIGKILL, and the bad settings refused before training."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import processes_of
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForImageTextToText
+
+from pipeline.checkpoint import verify_checkpoint, write_manifest
+from pipeline.cli import main as merit
+from pipeline.config import load_config
+from pipeline.data import Collator, Encoder, load_split
+from pipeline.merge.adapter import AdapterError
+from pipeline.models import load_model, load_processor
+from pipeline.models.adapter import adapter_base
+from pipeline.train import BranchSpec, train_branch
+from pipeline.train.launch import command
+from pipeline.train.lora import apply_lora, lora_targets, merged_state
+
+ROOT = Path(__file__).parent.parent
+SOURCES = ["colour_name", "add_digits", "caption"]
+LORA = ["train.finetuning_type=lora", "train.lora_rank=4", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("lora-run")
+    small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
+    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *small]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    return run
+
+
+def spec(run_dir: Path, out: Path, *overrides: str) -> BranchSpec:
+    cfg = load_config(
+        run_dir / "config.yaml",
+        [
+            "train.steps=12",
+            "train.micro_batch=4",
+            "train.checkpoint_every=4",
+            f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+            *LORA,
+            *overrides,
+        ],
+    )
+    return BranchSpec(
+        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=SOURCES, out_dir=str(out), config=cfg
+    )
+
+
+def linear_modules(model: torch.nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def batch(run_dir: Path, cfg, processor) -> dict[str, torch.Tensor]:
+    examples = [ex for exs in load_split(cfg, run_dir, "heldout", SOURCES).values() for ex in exs][:4]
+    return Collator(processor.tokenizer.pad_token_id)(Encoder(processor, cfg.data.max_length).encode_batch(examples))
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "adapter_model.safetensors")
+
+
+def test_a_lora_branch_is_a_peft_adapter_that_peft_loads_and_the_project_merges(run_dir, tmp_path):
+    out = tmp_path / "lora"
+    branch = spec(run_dir, out)
+    result = train_branch(branch, echo=False)
+    final = out / "final"
+    manifest = verify_checkpoint(final)
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, str(run_dir / "init"))
+    assert not list(final.glob("model*.safetensors"))  # the adapter only: θ0 is not copied
+    init = AutoModelForImageTextToText.from_pretrained(run_dir / "init")
+    # `all`: every linear layer of the parts that train (nothing is frozen in the demo) but lm_head.
+    assert set(manifest["lora"]["modules"]) == linear_modules(init)
+    shapes = [m.weight.shape for n, m in init.named_modules() if n in linear_modules(init)]
+    assert manifest["lora"]["trainable_parameters"] == sum(4 * (i + o) for o, i in shapes)
+    assert manifest["finetuning_type"] == "lora" and manifest["step"] == result.steps == 12
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0] - 0.2
+    assert "LoRA rank 4 (alpha 8)" in (out / "train.log").read_text()
+
+    cfg, processor = branch.config, load_processor(final, branch.config.model)
+    inputs = batch(run_dir, cfg, processor)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(init, final).eval()(**inputs).logits
+        ours = load_model(final, cfg.model).eval()(**inputs).logits  # θ0 + ΔW, merged
+        before = AutoModelForImageTextToText.from_pretrained(run_dir / "init").eval()(**inputs).logits
+    assert (theirs - ours).abs().max() <= 1e-4
+    assert (theirs - before).abs().max() > 1e-2  # the adapter changed the model
+
+
+@pytest.mark.parametrize("zero, processes", [(2, 1), (3, 2)])
+def test_a_sigkilled_lora_branch_resumes_to_the_same_adapter(run_dir, tmp_path, zero, processes):
+    settings = [f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}"]
+    settings += ["train.loss_chunk=3"] if zero == 3 else []  # ranks make the same projections (test_train)
+    reference = train_branch(spec(run_dir, tmp_path / "straight", *settings), echo=False)
+    killed = spec(run_dir, tmp_path / "killed", *settings)
+    spec_path = killed.save(tmp_path / "killed" / "spec.json")
+    argv, env = command(spec_path, processes)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=os.environ | env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
+    while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while processes_of(spec_path):
+        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
+        time.sleep(0.1)
+    # The checkpoint holds the adapters and their optimizer state, not θ0's frozen weights.
+    checkpoint = json.loads(latest.read_text())["tag"]
+    stored = sum(f.stat().st_size for f in (tmp_path / "killed" / "checkpoints" / checkpoint).rglob("*model_states*"))
+    assert 0 < stored < (run_dir / "init" / "model.safetensors").stat().st_size / 2
+    resumed = train_branch(killed, echo=False)
+    assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen
+    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "killed")
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_lora_warmup_saves_theta0_as_a_model_with_the_adapter_merged(run_dir, tmp_path):
+    out = tmp_path / "warmup"
+    branch = spec(run_dir, out, "train.steps=4").model_copy(update={"name": "warmup"})
+    train_branch(branch, echo=False)
+    merged = AutoModelForImageTextToText.from_pretrained(out / "final")
+    init = AutoModelForImageTextToText.from_pretrained(run_dir / "init")
+    a, b = merged.state_dict(), init.state_dict()
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and all(k.endswith(".weight") and k.removesuffix(".weight") in linear_modules(init) for k in changed)
+
+
+def test_merged_state_is_peft_merge_and_unload(run_dir):
+    cfg = spec(run_dir, run_dir / "unused", "train.additional_target=lm_head").config
+    model = AutoModelForImageTextToText.from_pretrained(run_dir / "init")
+    peft = apply_lora(model, cfg.train, str(run_dir / "init"))
+    with torch.no_grad():
+        for param in peft.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)  # B starts at 0: make ΔW non-zero
+    ours = merged_state(peft.base_model.model.state_dict(), cfg.train.lora_scaling)
+    theirs = peft.merge_and_unload().state_dict()
+    assert ours.keys() == theirs.keys()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
+
+
+def test_lora_targets_follow_the_freeze_options_and_unknown_names_are_named(run_dir):
+    cfg = spec(run_dir, run_dir / "unused").config
+    model = load_model(run_dir / "init", cfg.model)
+    everything = lora_targets(model, cfg.train)
+    frozen_vision = cfg.model.model_copy(
+        update={"freeze": cfg.model.freeze.model_copy(update={"freeze_vision_tower": True})}
+    )
+    text = lora_targets(load_model(run_dir / "init", frozen_vision), cfg.train)
+    assert set(everything) - set(text) == {n for n in everything if ".visual.blocks." in n}
+    assert any(".visual.merger." in n for n in text)  # the projector is not frozen
+    listed = cfg.train.model_copy(update={"lora_target": ["q_proj", "v_proj"]})
+    assert {n.rsplit(".", 1)[-1] for n in lora_targets(model, listed)} == {"q_proj", "v_proj"}
+    with pytest.raises(ValueError, match=r"lora_target \['qq_proj'\] match no linear module.*'q_proj'"):
+        lora_targets(model, cfg.train.model_copy(update={"lora_target": ["qq_proj", "v_proj"]}))
+    assert load_config(None, ["train.lora_target=q_proj, v_proj"]).train.lora_target == ["q_proj", "v_proj"]
+
+
+def test_an_adapter_without_safetensors_or_with_another_theta0_is_refused(run_dir, tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x"}))
+    (folder / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors .*never pickle"):
+        adapter_base(folder)
+    save_file({}, folder / "adapter_model.safetensors")
+    write_manifest(folder, base_model="the θ0 it was trained on")
+    with pytest.raises(AdapterError, match=f"{folder}: trained on a θ0 with identity the θ0 it was trained on, but x"):
+        adapter_base(folder)
