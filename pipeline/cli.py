@@ -326,7 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
     bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="run.seed of each repetition")
     bench.add_argument(
-        "--full-seeds", type=int, default=3, help="how many of the seeds also run Random-K and the 0.5/2-epoch joint"
+        "--full-seeds",
+        type=int,
+        default=3,
+        help="how many of the seeds also run the larger K, Random-K and the 0.5/2-epoch joint",
     )
     bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of branches K (powers of two)")
     bench.add_argument(
@@ -337,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--factors",
         nargs="*",
         default=["pca", "balance"],
-        choices=["pca", "balance", "warmup", "lr", "epochs", "width"],
+        choices=["pca", "balance", "lora", "warmup", "lr", "epochs", "width"],
         help="factor tables (from the first kind's full seeds, at the smallest K)",
     )
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -22,6 +22,7 @@ from pipeline.data import Collator, Encoder, load_split
 from pipeline.merge.adapter import AdapterError
 from pipeline.models import load_model, load_processor
 from pipeline.models.adapter import adapter_base
+from pipeline.preflight import PreflightError, check_run
 from pipeline.train import BranchSpec, train_branch
 from pipeline.train.launch import command
 from pipeline.train.lora import apply_lora, lora_targets, merged_state
@@ -70,10 +71,16 @@ def adapter(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "final" / "adapter_model.safetensors")
 
 
-def test_a_lora_branch_is_a_peft_adapter_that_peft_loads_and_the_project_merges(run_dir, tmp_path):
-    out = tmp_path / "lora"
-    branch = spec(run_dir, out)
-    result = train_branch(branch, echo=False)
+@pytest.fixture(scope="module")
+def trained(run_dir, tmp_path_factory):
+    """A LoRA branch trained straight through: ZeRO-2, one rank."""
+    branch = spec(run_dir, tmp_path_factory.mktemp("lora") / "straight")
+    return branch, train_branch(branch, echo=False)
+
+
+def test_a_lora_branch_is_a_peft_adapter_that_peft_loads_and_the_project_merges(run_dir, trained):
+    branch, result = trained
+    out = Path(branch.out_dir)
     final = out / "final"
     manifest = verify_checkpoint(final)
     config = json.loads((final / "adapter_config.json").read_text())
@@ -100,10 +107,14 @@ def test_a_lora_branch_is_a_peft_adapter_that_peft_loads_and_the_project_merges(
 
 
 @pytest.mark.parametrize("zero, processes", [(2, 1), (3, 2)])
-def test_a_sigkilled_lora_branch_resumes_to_the_same_adapter(run_dir, tmp_path, zero, processes):
+def test_a_sigkilled_lora_branch_resumes_to_the_same_adapter(run_dir, trained, tmp_path, zero, processes):
     settings = [f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}"]
     settings += ["train.loss_chunk=3"] if zero == 3 else []  # ranks make the same projections (test_train)
-    reference = train_branch(spec(run_dir, tmp_path / "straight", *settings), echo=False)
+    if zero == 2:  # the module's branch has these settings
+        straight, reference = Path(trained[0].out_dir), trained[1]
+    else:
+        straight = tmp_path / "straight"
+        reference = train_branch(spec(run_dir, straight, *settings), echo=False)
     killed = spec(run_dir, tmp_path / "killed", *settings)
     spec_path = killed.save(tmp_path / "killed" / "spec.json")
     argv, env = command(spec_path, processes)
@@ -131,7 +142,7 @@ def test_a_sigkilled_lora_branch_resumes_to_the_same_adapter(run_dir, tmp_path, 
     assert 0 < stored < (run_dir / "init" / "model.safetensors").stat().st_size / 2
     resumed = train_branch(killed, echo=False)
     assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen
-    a, b = adapter(tmp_path / "straight"), adapter(tmp_path / "killed")
+    a, b = adapter(straight), adapter(tmp_path / "killed")
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
@@ -190,3 +201,23 @@ def test_an_adapter_without_safetensors_or_with_another_theta0_is_refused(run_di
     write_manifest(folder, base_model="the θ0 it was trained on")
     with pytest.raises(AdapterError, match=f"{folder}: trained on a θ0 with identity the θ0 it was trained on, but x"):
         adapter_base(folder)
+
+
+def test_preflight_refuses_lora_settings_that_would_fail_in_the_branches(tmp_path):
+    frozen = [
+        f"model.freeze.freeze_{part}=true" for part in ("vision_tower", "multi_modal_projector", "language_model")
+    ]
+    cases = {
+        "train.lora_target=qq_proj": r"lora: train.lora_target \['qq_proj'\] match no linear module",
+        "train.additional_target=nope": r"lora: train.additional_target \['nope'\] match no module",
+        ";".join(frozen): "lora: train.finetuning_type lora: nothing to adapt",
+    }
+    for overrides, message in cases.items():
+        cfg = load_config(ROOT / "configs/demo.yaml", ["train.finetuning_type=lora", *overrides.split(";")])
+        with pytest.raises(PreflightError, match=message):
+            check_run(cfg, tmp_path / "run")
+    checked = check_run(load_config(ROOT / "configs/demo.yaml", ["train.finetuning_type=lora"]), tmp_path / "run")
+    assert checked["lora"] == "LoRA rank 8, alpha 16, on 26 modules"  # the tiny model's linear layers, lm_head aside
+    diloco = load_config(ROOT / "configs/demo.yaml", ["train.finetuning_type=lora"])
+    with pytest.raises(PreflightError, match="DiLoCo's workers train every weight"):
+        check_run(diloco, tmp_path / "run", diloco=True)

@@ -261,6 +261,25 @@ def test_newton_schulz_iso_is_within_1e_3_of_exact(kind, shape):
     assert torch.allclose(rms.norm() / fast.norm(), s.square().mean().sqrt() / s.mean(), rtol=1e-3)
 
 
+@pytest.mark.parametrize(
+    "orthogonaliser, scale", [("svd", "inner"), ("newton_schulz", "inner"), ("newton_schulz", "rms")]
+)
+def test_iso_of_a_zero_update_is_zero(orthogonaliser, scale):
+    """A frozen tensor's update is 0: its Iso is 0 (not 0 / 0)."""
+    assert torch.equal(iso(torch.zeros(8, 6), orthogonaliser, scale), torch.zeros(8, 6))
+
+
+def test_iso_of_a_low_rank_update_keeps_to_its_support():
+    """A LoRA merge's update has rank ≤ Σ r: mean(S) over the directions it has, not over min(m, n)."""
+    low = torch.randn(64, 2, generator=torch.Generator().manual_seed(0)) @ torch.randn(2, 48)
+    u, s, vh = torch.linalg.svd(low)
+    expected = s[:2].mean() * u[:, :2] @ vh[:2]
+    exact = iso(low, "svd")
+    assert (exact - expected).norm() / expected.norm() < 1e-5 and torch.linalg.matrix_rank(exact) == 2
+    # Newton–Schulz lifts the null space's rounding noise (the quintic steps) to about 1 %.
+    assert (iso(low, "newton_schulz") - expected).norm() / expected.norm() < 2e-2
+
+
 def test_iso_c_newton_schulz_through_the_rules():
     base, models, weights = case(4, (64, 48))
     exact = merged("iso_c", base, models, weights)

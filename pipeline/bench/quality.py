@@ -10,9 +10,10 @@ how merge-ready θ0 is, the branches' learning rate and epochs, the model's widt
 
 Every case is the real flow (Prefect, DeepSpeed branches, the merge library, held-out evaluation,
 lmms-eval) on a run directory of its own under ``--workdir``; a case that changes neither data
-nor θ0 links to its base case's. The first ``--full-seeds`` seeds also run the Random-K control
-and the 0.5- and 2-epoch joint baselines; the larger K merge with the token-weighted average
-only (MERIT's merge), the smallest K with every merge of the config. A finished case is not
+nor θ0 links to its base case's. Every seed runs the smallest K (every merge of the config) and
+the 1-epoch joint baseline; the first ``--full-seeds`` seeds also run the larger K (the
+token-weighted average only, MERIT's merge), the Random-K control and the 0.5- and 2-epoch joint
+baselines (a K = 8 case costs about as much as the smallest K's with its control). A finished case is not
 recomputed: rerunning the bench after an interruption continues it.
 """
 
@@ -99,7 +100,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
             ]
             labels = {"kind": kind, "seed": seed}
             cases.append(Case(base, [*sets, f"calibration.r={_r(ks[0])}"], labels | {"K": ks[0]}))
-            for k in ks[1:]:
+            for k in ks[1:] if full else ():
                 overrides = [*sets, f"calibration.r={_r(k)}", "flow.joint_baseline=false", only_merit_merge]
                 cases.append(Case(f"{base}-k{k}", overrides, labels | {"K": k}, base))
             for epochs in args.joint_epochs if full else ():

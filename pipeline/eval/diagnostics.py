@@ -31,8 +31,8 @@ from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.eval.heldout import Heldout, eval_device, eval_digest, score_model, source_roles, summarise
 from pipeline.layout import DIAGNOSTICS, EVAL, run_models
-from pipeline.merge.driver import _tied
 from pipeline.merge.adapter import AdapterReader
+from pipeline.merge.driver import _tied
 from pipeline.merge.inputs import rows_of
 from pipeline.merge.io import CheckpointReader, MergeInputError
 from pipeline.models import load_model, load_processor

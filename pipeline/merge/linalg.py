@@ -13,7 +13,8 @@ Iso(M) = mean(S) · U Vᵀ over the support of M: the singular directions whose 
 numerical zero (``support``). A full fine-tune's M has full rank and the support is all of it;
 a LoRA merge's M has rank ≤ Σ r_k, and its other singular vectors are an arbitrary basis of the
 null space (LAPACK's choice), so a spectral method that used them would give a result that is
-not a function of M. Newton–Schulz maps the null space to 0 by itself (odd polynomials); with
+not a function of M. Newton–Schulz maps the null space to 0 in exact arithmetic (odd
+polynomials; in fp32 its quintic steps lift the null space's rounding noise to about 1 %); with
 O = polar(M), mean(S) = ⟨M, O⟩ / ‖O‖_F², so ``scale="inner"`` uses that (exact when O is);
 ``scale="rms"`` uses ‖M‖_F / √min(m, n) = RMS(S), the cheaper proxy, which over-estimates
 mean(S) on steep spectra.
@@ -70,6 +71,7 @@ def iso(
         r = support(s, m.shape)
         return s[:r].mean() * (u[:, :r] @ vh[:r]) if r else torch.zeros_like(m, dtype=torch.float32)
     o = newton_schulz(m, schedule)
-    rank = o.square().sum() if scale == "inner" else min(m.shape)
-    factor = (m.float() * o).sum() / rank if scale == "inner" else m.float().norm() / rank**0.5
-    return factor * o
+    if scale == "rms":
+        return m.float().norm() / min(m.shape) ** 0.5 * o
+    support_size = o.square().sum()  # ‖O‖_F²: the support's dimension (0 for M = 0: a frozen tensor)
+    return (m.float() * o).sum() / support_size * o if support_size > 0 else torch.zeros_like(o)
