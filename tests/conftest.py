@@ -134,6 +134,35 @@ def llava_record(image: str | None = "a.png", answer: str = "red") -> dict:
     return record
 
 
+def sigkill_after_checkpoint(spec_path: Path, processes: int, step: int) -> None:
+    """Launch a branch's ranks as the trainer does and SIGKILL the launcher's process group once a
+    whole checkpoint of ``step`` or later exists; returns when every rank has died with it."""
+    import time
+
+    from pipeline.train.launch import command
+
+    argv, env = command(spec_path, processes)
+    root = Path(__file__).parent.parent
+    proc = subprocess.Popen(
+        argv,
+        cwd=root,
+        env=os.environ | env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    latest, deadline = spec_path.parent / "checkpoints" / "latest.json", time.monotonic() + 300
+    while not (latest.is_file() and json.loads(latest.read_text())["step"] >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; torchrun put the ranks in sessions of their own
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while processes_of(spec_path):  # the ranks die with their launcher (PR_SET_PDEATHSIG)
+        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
+        time.sleep(0.1)
+
+
 def processes_of(spec_path: Path) -> list[int]:
     """Pids of a branch's processes: its torchrun launcher and every rank (their command lines
     name the branch's spec file)."""

@@ -153,6 +153,9 @@ def test_a_factor_table_sets_each_level_beside_the_default_at_the_same_seeds():
         }
         for s, b in ((0, 20.0), (1, 30.0), (2, 99.0))  # seed 2 ran no factor level: left out
     ]
+    # Left out too: the larger K (factors run at the smallest) and the joint of another budget.
+    base += [{"seed": 0, "model": "m", "merge": "token_average", "split": "MERIT-4", "K": 4, "benchmark": 99.0}]
+    base += [{"seed": 0, "model": "joint", "split": "—", "joint_epochs": 2.0, "benchmark": 99.0}]
     rows = [
         {
             "seed": s,

@@ -2,15 +2,11 @@
 after SIGKILL, and the bad settings refused before training."""
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import processes_of
+from conftest import sigkill_after_checkpoint
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
@@ -24,7 +20,6 @@ from pipeline.models import load_model, load_processor
 from pipeline.models.adapter import adapter_base
 from pipeline.preflight import PreflightError, check_run
 from pipeline.train import BranchSpec, train_branch
-from pipeline.train.launch import command
 from pipeline.train.lora import apply_lora, lora_targets, merged_state
 
 ROOT = Path(__file__).parent.parent
@@ -116,26 +111,8 @@ def test_a_sigkilled_lora_branch_resumes_to_the_same_adapter(run_dir, trained, t
         straight = tmp_path / "straight"
         reference = train_branch(spec(run_dir, straight, *settings), echo=False)
     killed = spec(run_dir, tmp_path / "killed", *settings)
-    spec_path = killed.save(tmp_path / "killed" / "spec.json")
-    argv, env = command(spec_path, processes)
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=os.environ | env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
-    while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while processes_of(spec_path):
-        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
-        time.sleep(0.1)
+    sigkill_after_checkpoint(killed.save(tmp_path / "killed" / "spec.json"), processes, step=4)
+    latest = tmp_path / "killed" / "checkpoints" / "latest.json"
     # The checkpoint holds the adapters and their optimizer state, not θ0's frozen weights.
     checkpoint = json.loads(latest.read_text())["tag"]
     stored = sum(f.stat().st_size for f in (tmp_path / "killed" / "checkpoints" / checkpoint).rglob("*model_states*"))

@@ -1,15 +1,11 @@
 """Branch training through real DeepSpeed processes (gloo on CPU) on the tiny model."""
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import processes_of
+from conftest import sigkill_after_checkpoint
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText
@@ -18,7 +14,6 @@ from pipeline.checkpoint import verify_checkpoint
 from pipeline.cli import main as merit
 from pipeline.config import load_config
 from pipeline.train import BranchFailed, BranchSpec, train_branch
-from pipeline.train.launch import command
 
 ROOT = Path(__file__).parent.parent
 SOURCES = ["colour_name", "add_digits", "caption"]
@@ -91,26 +86,7 @@ def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_d
     zero3 = [f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json", "train.processes=2", "train.loss_chunk=3"]
     reference = train_branch(spec(run_dir, tmp_path / "straight", *zero3), echo=False)
     killed = spec(run_dir, tmp_path / "killed", *zero3)
-    spec_path = killed.save(tmp_path / "killed" / "spec.json")
-    argv, env = command(spec_path, 2)
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=os.environ | env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest.json", time.monotonic() + 300
-    while not (latest.is_file() and json.loads(latest.read_text())["step"] >= 4):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; torchrun put the ranks in sessions of their own
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while processes_of(spec_path):  # the ranks die with their launcher (PR_SET_PDEATHSIG)
-        assert time.monotonic() < deadline, "a rank outlived its killed launcher"
-        time.sleep(0.1)
+    sigkill_after_checkpoint(killed.save(tmp_path / "killed" / "spec.json"), 2, step=4)
     assert not (tmp_path / "killed" / "final").exists()
     resumed = train_branch(killed, echo=False)
     assert resumed.resumed and resumed.tokens_seen == reference.tokens_seen

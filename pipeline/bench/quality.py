@@ -353,8 +353,10 @@ def factor_table(rows: list[dict[str, Any]], factor: str, base: list[dict[str, A
     """One line per level (the base cases' first): benchmark average, held-out loss and pairs apart
     of MERIT's token-weighted merge, and θ0's and the joint baseline's benchmark average, over the
     seeds each level ran."""
-    seeds = {r["seed"] for r in rows}
-    levels = {"default": [r for r in base if r["seed"] in seeds]}
+    seeds, ks = {r["seed"] for r in rows}, {r.get("K") for r in rows}
+    # The base cases at the factors' K (the smallest) and their 1-epoch joint: the other K and
+    # joint budgets are not what a level changes.
+    levels = {"default": [r for r in base if r["seed"] in seeds and r.get("K") in ks and not r.get("joint_epochs")]}
     levels |= {level: [r for r in rows if r.get("level") == level] for level in FACTORS[factor][1]}
     headers = ["level", "n", "θ0", "joint", f"{MERIT_MERGE} (MERIT)", "held-out loss", "pairs apart"]
     table = []
