@@ -134,6 +134,32 @@ def llava_record(image: str | None = "a.png", answer: str = "red") -> dict:
     return record
 
 
+BRANCH_SOURCES = ["colour_name", "add_digits", "caption"]
+
+
+def prepared_run(run: Path) -> Path:
+    """The demo at branch-test size, initialised and prepared by the CLI: θ0 and data for branches."""
+    from pipeline.cli import main as merit
+
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
+    assert merit(["init", str(demo), "--run-dir", str(run), *small]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    return run
+
+
+def branch_spec(run_dir: Path, out: Path, *overrides: str, sources: list[str] = BRANCH_SOURCES):
+    """A 12-step ZeRO-2 branch from the run's θ0 on ``sources`` (checkpoints every 4 steps)."""
+    from pipeline.train import BranchSpec
+
+    deepspeed = Path(__file__).parent.parent / "configs" / "deepspeed" / "zero2.json"
+    settings = ["train.steps=12", "train.micro_batch=4", "train.checkpoint_every=4", f"train.deepspeed={deepspeed}"]
+    cfg = load_config(run_dir / "config.yaml", [*settings, *overrides])
+    return BranchSpec(
+        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg
+    )
+
+
 def sigkill_after_checkpoint(spec_path: Path, processes: int, step: int) -> None:
     """Launch a branch's ranks as the trainer does and SIGKILL the launcher's process group once a
     whole checkpoint of ``step`` or later exists; returns when every rank has died with it."""

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import sigkill_after_checkpoint
+from conftest import BRANCH_SOURCES, branch_spec, prepared_run, sigkill_after_checkpoint
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import verify_checkpoint, write_manifest
-from pipeline.cli import main as merit
 from pipeline.config import load_config
 from pipeline.data import Collator, Encoder, load_split
 from pipeline.merge.adapter import AdapterError
@@ -23,34 +22,17 @@ from pipeline.train import BranchSpec, train_branch
 from pipeline.train.lora import apply_lora, lora_targets, merged_state
 
 ROOT = Path(__file__).parent.parent
-SOURCES = ["colour_name", "add_digits", "caption"]
+SOURCES = BRANCH_SOURCES
 LORA = ["train.finetuning_type=lora", "train.lora_rank=4", "train.lr=1e-2"]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    run = tmp_path_factory.mktemp("lora-run")
-    small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
-    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *small]) == 0
-    assert merit(["prepare", "--run-dir", str(run)]) == 0
-    return run
+    return prepared_run(tmp_path_factory.mktemp("lora-run"))
 
 
 def spec(run_dir: Path, out: Path, *overrides: str) -> BranchSpec:
-    cfg = load_config(
-        run_dir / "config.yaml",
-        [
-            "train.steps=12",
-            "train.micro_batch=4",
-            "train.checkpoint_every=4",
-            f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
-            *LORA,
-            *overrides,
-        ],
-    )
-    return BranchSpec(
-        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=SOURCES, out_dir=str(out), config=cfg
-    )
+    return branch_spec(run_dir, out, *LORA, *overrides)
 
 
 def linear_modules(model: torch.nn.Module) -> set[str]:

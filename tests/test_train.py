@@ -5,43 +5,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import sigkill_after_checkpoint
+from conftest import BRANCH_SOURCES, branch_spec, prepared_run, sigkill_after_checkpoint
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import verify_checkpoint
-from pipeline.cli import main as merit
-from pipeline.config import load_config
 from pipeline.train import BranchFailed, BranchSpec, train_branch
 
 ROOT = Path(__file__).parent.parent
-SOURCES = ["colour_name", "add_digits", "caption"]
+SOURCES = BRANCH_SOURCES
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    run = tmp_path_factory.mktemp("train-run")
-    small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
-    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *small]) == 0
-    assert merit(["prepare", "--run-dir", str(run)]) == 0
-    return run
+    return prepared_run(tmp_path_factory.mktemp("train-run"))
 
 
 def spec(run_dir: Path, out: Path, *overrides: str, sources=SOURCES) -> BranchSpec:
-    cfg = load_config(
-        run_dir / "config.yaml",
-        [
-            "train.steps=12",
-            "train.micro_batch=4",
-            "train.checkpoint_every=4",
-            f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
-            *overrides,
-        ],
-    )
-    return BranchSpec(
-        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg
-    )
+    return branch_spec(run_dir, out, *overrides, sources=sources)
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
