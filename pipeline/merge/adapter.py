@@ -41,14 +41,6 @@ def checkpoint_name(module_tensor: str, names: dict[str, TensorInfo]) -> str | N
     return None
 
 
-def module_tensor_name(name: str, base: dict[str, TensorInfo]) -> str:
-    """The inverse, for an adapter this library writes: θ0's tensor name as the module's."""
-    for module, stored in CHECKPOINT_PREFIXES:
-        if name.startswith(stored) and checkpoint_name(module + name[len(stored) :], base) == name:
-            return module + name[len(stored) :]
-    return name
-
-
 class AdapterError(MergeInputError):
     """An adapter folder that cannot be used; the message names the file at fault."""
 
