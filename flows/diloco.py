@@ -90,11 +90,17 @@ class Workers:
                 self.failures[k] = str(err)
 
     def wait_round(self, r: int) -> list[int]:
-        """The workers whose round-r payload is published, once every other one has failed."""
+        """The workers whose round-r payload is published, once every other one has failed; in
+        quorum mode also once ``quorum`` of them have, or ``round_timeout_s`` after the first."""
+        quorum, timeout_s, first = self.plan.quorum or self.plan.size, self.plan.round_timeout_s, None
         while True:
             self.collect()
             sent = [k for k in range(self.plan.size) if (delta_dir(self.plan, r, k) / MANIFEST).is_file()]
-            if len(sent) + len(set(self.failures) - set(sent)) >= self.plan.size:
+            if len(sent) + len(set(self.failures) - set(sent)) >= self.plan.size or len(sent) >= quorum:
+                return sent
+            if sent and first is None:
+                first = time.monotonic()
+            if timeout_s is not None and first is not None and time.monotonic() - first >= timeout_s:
                 return sent
             time.sleep(POLL_S)
 
@@ -181,11 +187,17 @@ def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Eva
         )
     record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb)
     record["failures"] = {str(k): why for k, why in dropped.items()}
+    # Still training round r: their payload will find the round closed and be dropped, and they
+    # join the newest global with their own inner state (OpenDiLoCo's rule: applying a Δ taken
+    # from an older global would need that global kept and a staleness rule).
+    record["stragglers"] = [k for k in range(plan.size) if k not in sent and k not in dropped]
     ended = time.perf_counter()
     record["seconds"]["wall"] = round(ended - began, 4)
     evaluator.save(record)
     if dropped:
         get_run_logger().warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")
+    if record["stragglers"]:
+        get_run_logger().info(f"DiLoCo {plan.variant} round {r}: stragglers {record['stragglers']} left out")
     evaluator.wait(r - 2)  # its global, r - 1, is about to go
     retire(plan, r)
     evaluator.submit(r)

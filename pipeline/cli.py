@@ -355,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=["dp", "diloco", "isoloco", "average"],
         help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0)",
     )
+    bench.add_argument(
+        "--compression",
+        nargs="+",
+        choices=["none", "bf16", "int8", "int4"],
+        default=["none"],
+        help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
+    )
     bench.add_argument("--out", default="runs/bench-diloco", help="folder for results.json and loss.png")
     for bench in benches.choices.values():
         bench.set_defaults(func=cmd_bench)

@@ -316,7 +316,16 @@ class DilocoSection(Section):
     # T; default: the joint baseline's budget (train.epochs over all the data) in whole rounds.
     rounds: int | None = Field(None, ge=1)
     min_workers: int = Field(1, ge=1)  # a round aggregates at least this many workers, else the run fails
-    compression: Literal["none", "bf16", "int8"] = "none"  # of the pseudo-gradients the workers send
+    # sync: a round waits for every worker (or its failure); quorum: it aggregates once `quorum`
+    # workers have sent, or `round_timeout_s` after the first payload; the others are stragglers,
+    # their late payload dropped, and they join the newest global with their own inner state.
+    sync: Literal["sync", "quorum"] = "sync"
+    quorum: int | None = Field(None, ge=1)  # quorum mode: workers a round waits for (default R)
+    round_timeout_s: float | None = Field(None, gt=0)  # quorum mode: seconds after a round's first payload
+    # A worker made k times slower (a CPU share of 1/k: it sleeps (k − 1) × each inner step's time
+    # after the step), to rehearse stragglers on equal machines; by worker index.
+    slow_workers: dict[int, float] = {}
+    compression: Literal["none", "bf16", "int8", "int4"] = "none"  # of the pseudo-gradients the workers send
     error_feedback: bool = False  # a worker adds what compression dropped to its next round's Δ
     eval_every: int = Field(1, ge=0)  # held-out loss of the global model every n rounds (0: the last only)
     methods: list[DilocoMethod] = [
@@ -329,6 +338,10 @@ class DilocoSection(Section):
         require_unique([m.name for m in self.methods], "diloco method")
         if (self.shards == "given") != (self.groups is not None):
             raise ValueError("diloco.groups is required for shards 'given' and only for it")
+        if self.sync != "quorum" and (self.quorum is not None or self.round_timeout_s is not None):
+            raise ValueError("diloco.quorum and diloco.round_timeout_s are for diloco.sync: quorum")
+        if any(f < 1 for f in self.slow_workers.values()):
+            raise ValueError(f"diloco.slow_workers: factors are ≥ 1 (times slower), got {self.slow_workers}")
         if self.groups is not None and self.workers not in (None, len(self.groups)):
             raise ValueError(f"diloco.workers is {self.workers} but diloco.groups has {len(self.groups)} groups")
         return self
@@ -443,6 +456,13 @@ class RunConfig(Section):
             )
         if d.min_workers > self.diloco_workers:
             raise ValueError(f"diloco.min_workers ({d.min_workers}) exceeds the {self.diloco_workers} workers")
+        if d.quorum is not None and not d.min_workers <= d.quorum <= self.diloco_workers:
+            raise ValueError(
+                f"diloco.quorum ({d.quorum}) is between diloco.min_workers ({d.min_workers}) "
+                f"and the {self.diloco_workers} workers"
+            )
+        if unknown := sorted(k for k in d.slow_workers if not 0 <= k < self.diloco_workers):
+            raise ValueError(f"diloco.slow_workers: no worker {unknown} among the {self.diloco_workers}")
         return self
 
     def digest(self, *sections: str) -> str:

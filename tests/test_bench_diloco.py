@@ -1,9 +1,20 @@
 """``merit bench diloco``'s building blocks: the stdlib corpus and its file-level split, and one
 round of plain averaging, checked against the workers' weights averaged by hand."""
 
+import pytest
 import torch
 
-from pipeline.bench.diloco import CONTEXT, EOD, Learner, load_corpus, run_diloco, shard_batches, tiny_qwen2
+from pipeline.bench.diloco import (
+    CLIP,
+    CONTEXT,
+    EOD,
+    MAX_FILE_BYTES,
+    Learner,
+    load_corpus,
+    run_diloco,
+    shard_batches,
+    tiny_qwen2,
+)
 
 
 def test_corpus_is_deterministic_with_disjoint_files_and_byte_windows():
@@ -11,6 +22,9 @@ def test_corpus_is_deterministic_with_disjoint_files_and_byte_windows():
     assert corpus.train_files == again.train_files and corpus.heldout_files == again.heldout_files
     assert torch.equal(corpus.heldout, again.heldout)
     assert corpus.heldout_files and not set(corpus.train_files) & set(corpus.heldout_files)
+    assert max(len(f) for f in corpus.train_files + corpus.heldout_files) < 100  # names, not paths
+    sizes = [(corpus.root / f).stat().st_size for f in corpus.train_files + corpus.heldout_files]
+    assert max(sizes) <= MAX_FILE_BYTES and sum(sizes) == corpus.train_bytes + corpus.heldout_bytes
     assert 0.02 < corpus.heldout_bytes / (corpus.train_bytes + corpus.heldout_bytes) < 0.15
     for windows in (corpus.train, corpus.heldout):
         assert windows.shape[1] == CONTEXT + 1 and windows.min() >= 0 and windows.max() == EOD
@@ -32,3 +46,20 @@ def test_averaging_sets_the_global_weights_to_the_workers_mean():
         assert not torch.equal(trained[0][name], trained[1][name])  # the shards differ
     params = sum(p.numel() for p in model0.parameters())
     assert run.curve[0]["bytes_sent"] == 2 * 4 * params
+
+
+def test_a_learner_clips_its_gradients_before_each_step():
+    """The bench trains as the trainer does: gradient norm clipped to 1.0 before AdamW's step."""
+    model = tiny_qwen2()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # gradients far above the clip
+    learner, seen = Learner(model, steps=2), []
+
+    def before_step(optimizer, args, kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    learner.optimizer.register_step_pre_hook(before_step)
+    batch = torch.randint(0, EOD + 1, (2, CONTEXT + 1), generator=torch.Generator().manual_seed(0))
+    norms = learner.train([batch, batch])
+    assert min(norms) > 10 * CLIP and seen == pytest.approx([CLIP, CLIP], rel=1e-4)

@@ -27,6 +27,7 @@ SIZES = [
     "eval.max_new_tokens=8",
     "data.builtin.benchmark_examples=4",
     "flow.retry_delay_s=0",
+    "flow.parallel_branches=2",  # on 2 cores: a tiny branch is mostly its process's start-up
     f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
 ]
 

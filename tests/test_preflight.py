@@ -112,6 +112,10 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
         (["diloco.shards=merit", "diloco.workers=4"], "merit shards are the split's K = 2 groups"),
         (["diloco.shards=given"], "diloco.groups is required"),
         (["diloco.min_workers=3"], "exceeds the 2 workers"),
+        (["diloco.quorum=1"], "are for diloco.sync: quorum"),
+        (["diloco.sync=quorum", "diloco.quorum=3"], r"quorum \(3\) is between diloco.min_workers \(1\) and the 2"),
+        (["diloco.slow_workers={2: 3}"], r"no worker \[2\] among the 2"),
+        (["diloco.slow_workers={0: 0.5}"], "factors are ≥ 1"),
         (["diloco.methods=[{name: a, method: iso_c, outer_momentum: 1.0}]"], "outer_momentum"),
         (["diloco.methods=[{name: a, method: fisher}]"], "the fisher merge needs Fisher estimates"),
     ]:

@@ -3,18 +3,21 @@ small standard setting anyone can rerun and compare with the papers' tables.
 
 A text-only ``Qwen2ForCausalLM`` (hidden 128, 4 layers, 4 heads, 2 KV heads, intermediate 384,
 untied embeddings, bytes 0–255 plus an end-of-document token, context 128: 0.85 M parameters)
-learns the Python standard library's own top-level modules (installed with Python, ≈ 5 MB; one
-file in 20 held out by a hash of its path). The R workers live in one process and take iid
+learns the Python standard library's own top-level modules of at most 100 kB each (installed
+with Python: 161 files, 3.76 MB under CPython 3.11; one file in 20 held out by a hash of its
+path). The R workers live in one process and take iid
 shards; every method starts from the same θ0 and sees the same tokens in the same steps: the
 data-parallel baseline's batch of R × 8 is the workers' R batches of 8 of that step. Inner
-AdamW β (0.9, 0.95), wd 0.1, lr 1e-3, 10 % warm-up then cosine to 0.1× over the T·H steps, each
-worker keeping its own AdamW state across rounds (as in DiLoCo). The outer step is
+AdamW β (0.9, 0.95), wd 0.1, lr 1e-3, 10 % warm-up then cosine to 0.1× over the T·H steps,
+gradients clipped to norm 1.0 (as the trainer does), each worker keeping its own AdamW state
+across rounds (as in DiLoCo). The outer step is
 :func:`pipeline.diloco.aggregate`, the library's own, so the figures are those of the code
 that runs distributed.
 
-Bytes are counted as fp32 sent by all R workers together: a DiLoCo round sends each Δ_k once
-(R · 4P); data-parallel is a ring all-reduce of the gradients every step (2(R − 1)/R · 4P per
-worker, 2(R − 1) · 4P in all).
+Bytes are counted as sent by all R workers together: a DiLoCo round sends each Δ_k once, as
+compressed (R · 4P in fp32; ``--compression bf16 int8 int4`` adds variants, each with error
+feedback); data-parallel is a ring all-reduce of the fp32 gradients every step (2(R − 1)/R · 4P
+per worker, 2(R − 1) · 4P in all).
 """
 
 from __future__ import annotations
@@ -45,8 +48,10 @@ from pipeline.train.engine import lr_lambda
 
 CONTEXT, EOD = 128, 256  # a window is CONTEXT inputs plus the shifted targets: CONTEXT + 1 ids
 HELDOUT_EVERY = 20  # a file is held out when crc32(its relative path) % 20 == 0: 1 in 20 (5 %)
+MAX_FILE_BYTES = 100_000  # larger modules (_pydecimal, turtle, inspect, ...) would dominate the stream
 BATCH, EVAL_BATCH = 8, 64
 LR, BETAS, WEIGHT_DECAY, WARMUP_RATIO, MIN_LR_RATIO = 1e-3, (0.9, 0.95), 0.1, 0.1, 0.1
+CLIP = 1.0  # max gradient norm, the trainer's default (train.clip)
 MAX_THREADS = 4  # a 128-wide model gains nothing from more; the reference machine has 2 cores
 OUTER = {  # method: (outer optimizer, merge method aggregating the pseudo-gradients)
     "diloco": (OuterSGD(**DILOCO), "weighted_average"),
@@ -63,13 +68,14 @@ class Corpus:
     heldout_files: list[str]
     train_bytes: int
     heldout_bytes: int
+    root: Path  # the folder the files were read from
 
 
 def stdlib_files(root: Path) -> list[str]:
-    """The top-level modules of the standard library, by relative path: no packages, which
-    leaves out site-packages, the test suites, generated tables (encodings, pydoc_data) and the
-    GUI apps (idlelib, tkinter) — 168 files, 4.7 MB under CPython 3.11."""
-    return sorted(p.name for p in root.glob("*.py") if p.is_file())
+    """The top-level modules of the standard library of at most MAX_FILE_BYTES, by relative path:
+    no packages, which leaves out site-packages, the test suites, generated tables (encodings,
+    pydoc_data) and the GUI apps (idlelib, tkinter) — 161 files, 3.76 MB under CPython 3.11."""
+    return sorted(p.name for p in root.glob("*.py") if p.is_file() and p.stat().st_size <= MAX_FILE_BYTES)
 
 
 def is_heldout(relative: str) -> bool:
@@ -95,7 +101,7 @@ def load_corpus(root: Path | None = None) -> Corpus:
     names = stdlib_files(root)
     kept, held = [n for n in names if not is_heldout(n)], [n for n in names if is_heldout(n)]
     train, heldout = [(root / n).read_bytes() for n in kept], [(root / n).read_bytes() for n in held]
-    return Corpus(windows(train), windows(heldout), kept, held, sum(map(len, train)), sum(map(len, heldout)))
+    return Corpus(windows(train), windows(heldout), kept, held, sum(map(len, train)), sum(map(len, heldout)), root)
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
@@ -150,13 +156,17 @@ class Learner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
 
-    def train(self, batches: Iterable[torch.Tensor]) -> None:
+    def train(self, batches: Iterable[torch.Tensor]) -> list[float]:
+        """One step a batch; returns the gradient norms before clipping."""
         self.model.train()
+        norms = []
         for batch in batches:
             lm_loss(self.model, batch).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        return norms
 
 
 @dataclass
@@ -184,8 +194,10 @@ def run_diloco(
     rounds: int,
     method: str,
     seed: int = 0,
+    compression: str = "none",
 ) -> Run:
-    """R workers, H inner steps each from the global weights, then the library's outer step."""
+    """R workers, H inner steps each from the global weights, then the library's outer step (the
+    pseudo-gradients compressed as sent, with error feedback when compressed)."""
     outer, merge_method = OUTER[method]
     rules = [Rule(pattern="*", method=merge_method)]
     run = Run(copy.deepcopy(model0))
@@ -193,13 +205,23 @@ def run_diloco(
     learners = [Learner(copy.deepcopy(model0), steps=inner_steps * rounds) for _ in range(workers)]
     streams = shard_batches(len(train), workers, seed)
     momentum: dict[str, torch.Tensor] = {}
-    for _ in tqdm(range(rounds), desc=f"R={workers} {method}", unit="round", leave=False):
+    residuals = None if compression == "none" else [{} for _ in range(workers)]
+    for _ in tqdm(range(rounds), desc=f"R={workers} {method} {compression}", unit="round", leave=False):
         start = time.perf_counter()
         for learner, stream in zip(learners, streams):
             learner.model.load_state_dict(theta)
             learner.train(train[next(stream)] for _ in range(inner_steps))
         trained = time.perf_counter()
-        stats = aggregate(theta, [w.model.state_dict() for w in learners], [1.0] * workers, rules, outer, momentum)
+        stats = aggregate(
+            theta,
+            [w.model.state_dict() for w in learners],
+            [1.0] * workers,
+            rules,
+            outer,
+            momentum,
+            compression=compression,
+            residuals=residuals,
+        )
         aggregated = time.perf_counter()
         run.record(
             heldout,
@@ -233,13 +255,21 @@ def run_dp(
 
 
 def run_method(
-    method: str, model0: Qwen2ForCausalLM, corpus: Corpus, workers: int, inner_steps: int, rounds: int
+    method: str,
+    model0: Qwen2ForCausalLM,
+    corpus: Corpus,
+    workers: int,
+    inner_steps: int,
+    rounds: int,
+    compression: str = "none",
 ) -> dict:
     start = time.perf_counter()
     if method == "dp":
         run = run_dp(model0, corpus.train, corpus.heldout, workers, inner_steps, rounds)
     else:
-        run = run_diloco(model0, corpus.train, corpus.heldout, workers, inner_steps, rounds, method)
+        run = run_diloco(
+            model0, corpus.train, corpus.heldout, workers, inner_steps, rounds, method, compression=compression
+        )
     final = run.curve[-1]
     return {
         "final_loss": final["loss"],
@@ -247,6 +277,11 @@ def run_method(
         "wall_seconds": time.perf_counter() - start,
         "curve": run.curve,
     }
+
+
+def variants(methods: list[str], compressions: list[str]) -> list[tuple[str, str]]:
+    """(method, compression) pairs to run: data-parallel once (it sends gradients, not payloads)."""
+    return [(m, c) for m in methods for c in (["none"] if m == "dp" else compressions)]
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -307,6 +342,7 @@ def write_results(
     setting = {
         "corpus_files": {"train": len(corpus.train_files), "heldout": corpus.heldout_files},
         "corpus_bytes": {"train": corpus.train_bytes, "heldout": corpus.heldout_bytes},
+        "corpus": f"{corpus.root}/*.py of at most {MAX_FILE_BYTES} bytes",
         "windows": {"train": len(corpus.train), "heldout": len(corpus.heldout), "context": CONTEXT},
         "parameters": params,
         "inner": {
@@ -315,13 +351,17 @@ def write_results(
             "weight_decay": WEIGHT_DECAY,
             "warmup": WARMUP_RATIO,
             "min": MIN_LR_RATIO,
+            "max_grad_norm": CLIP,
         },
         "outer": {m: o.model_dump() | {"aggregate": a} for m, (o, a) in OUTER.items()},
         "batch_per_worker": BATCH,
         "inner_steps": args.inner_steps,
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
-        "bytes_sent": "fp32 by all workers: R·4P a round (DiLoCo methods), 2(R−1)·4P a step (dp, ring all-reduce)",
+        "bytes_sent": "by all workers: R payloads a round (DiLoCo methods, as compressed), "
+        "2(R−1)·4P a step (dp, ring all-reduce)",
+        "compression": args.compression,
+        "error_feedback": "on for every compressed variant",
     }
     figures = {"setting": setting, "initial_loss": initial, "results": {f"R={w}": m for w, m in results.items()}}
     (out / "results.json").write_text(json.dumps(figures, indent=1))
@@ -348,8 +388,9 @@ def main(args: argparse.Namespace) -> None:
     results: dict[int, dict[str, dict]] = {}
     for workers in args.workers:
         methods = results[workers] = {}
-        for method in args.methods:
-            methods[method] = run_method(method, model0, corpus, workers, args.inner_steps, args.rounds)
+        for method, compression in variants(args.methods, args.compression):
+            label = method if compression == "none" else f"{method} {compression}"
+            methods[label] = run_method(method, model0, corpus, workers, args.inner_steps, args.rounds, compression)
             write_results(out, args, corpus, params, initial, results)  # a long run keeps what it has
         compare_with_dp(methods)
         write_results(out, args, corpus, params, initial, results)
@@ -357,7 +398,8 @@ def main(args: argparse.Namespace) -> None:
     plot(results, out / "loss.png")
     print(f"\n{summary_table(results)}")
     print(
-        "\nbytes sent: fp32, by all R workers together; DiLoCo methods send each Δ_k once a round (R · 4P), "
+        "\nbytes sent: by all R workers together; DiLoCo methods send each Δ_k once a round, as compressed "
+        "(R · 4P in fp32), "
         "data-parallel is a ring all-reduce of the gradients every step (2(R − 1) · 4P); "
         "wall s: training, aggregation and the held-out evaluation of every round"
     )

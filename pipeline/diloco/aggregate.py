@@ -48,7 +48,7 @@ def aggregate(
             if residuals:
                 residuals[k][name] = residual
             sent += payload_bytes(payload)
-            delta[name] = decompress(payload, name)
+            delta[name] = decompress(payload, name, theta_k.shape)
         deltas.append(delta)
     meter = DriftMeter(len(deltas))
     for name in deltas[0]:

@@ -41,15 +41,22 @@ class DilocoPlan(BaseModel):
     compression: str
     error_feedback: bool
     workers: list[BranchSpec]
+    sync: str = "sync"
+    quorum: int | None = None  # the workers a round waits for (default all)
+    round_timeout_s: float | None = None
+    slow_workers: dict[int, float] = {}
 
     @property
     def size(self) -> int:
         return len(self.workers)
 
     def digest(self) -> str:
-        """What the run's global weights depend on (not ``min_workers`` or how often it evaluates)."""
+        """What the run's global weights depend on when every worker sends every round (not
+        ``min_workers``, how often it evaluates, the sync mode or the workers' speeds: a run may
+        resume in another mode)."""
+        exclude = {"variant", "folder", "init", "workers", "sync", "quorum", "round_timeout_s", "slow_workers"}
         inputs = {
-            **self.model_dump(mode="json", exclude={"variant", "folder", "init", "workers"}),
+            **self.model_dump(mode="json", exclude=exclude),
             "workers": [w.digest() for w in self.workers],
         }
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
@@ -121,6 +128,10 @@ def diloco_plan(cfg: RunConfig, run_dir: str | Path, method: DilocoMethod) -> Di
         compression=d.compression,
         error_feedback=d.error_feedback,
         workers=workers,
+        sync=d.sync,
+        quorum=d.quorum if d.sync == "quorum" else None,
+        round_timeout_s=d.round_timeout_s,
+        slow_workers=d.slow_workers,
     )
 
 

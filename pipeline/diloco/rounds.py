@@ -37,7 +37,7 @@ from pipeline.checkpoint import (
     write_manifest,
 )
 from pipeline.config import DilocoMethod
-from pipeline.diloco.compress import SCALE_SUFFIX
+from pipeline.diloco.compress import SCALE_SUFFIX, dequantise_int4, row_shape
 from pipeline.diloco.drift import DriftMeter
 from pipeline.diloco.outer import OuterSGD
 from pipeline.diloco.plan import DilocoPlan
@@ -105,14 +105,20 @@ def save_record(plan: DilocoPlan, record: dict[str, Any]) -> None:
     write_json_atomic(Path(plan.folder) / RECORDS, sorted([*kept, record], key=lambda r: r["round"]))
 
 
-def delta_reader(reader: CheckpointReader, name: str) -> Reader:
-    """Rows of a worker's Δ in fp32: int8 payloads are dequantised row by row with their scales."""
-    rows = reader.reader(name)
-    if reader.info[name].dtype != torch.int8:
+def delta_reader(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Reader:
+    """Rows of a worker's Δ (a tensor of ``shape``) in fp32: int8 and int4 payloads are
+    dequantised row block by row block with their scales."""
+    rows, dtype = reader.reader(name), reader.info[name].dtype
+    if dtype not in (torch.int8, torch.uint8):
         return rows
-    scales, matrix = reader.reader(name + SCALE_SUFFIX), len(reader.info[name].shape) >= 2
+    scales, matrix = reader.reader(name + SCALE_SUFFIX), len(shape) >= 2
+    cols = row_shape(shape)[1]
 
     def read(start: int, stop: int) -> torch.Tensor:
+        if dtype == torch.uint8:  # int4: packed rows; a vector is one packed row
+            if not matrix:
+                return dequantise_int4(rows(0, 1), scales(0, 1), cols)[0, start:stop]
+            return dequantise_int4(rows(start, stop), scales(start, stop), cols).reshape(stop - start, *shape[1:])
         q = rows(start, stop).float()
         if not matrix:  # a vector is one row: one scale
             return q * scales(0, 1)[0]
@@ -177,7 +183,7 @@ class _RoundStep:
     def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """θ's new value and its momentum buffer, on the CPU."""
         method, params = choose(name, self.rules)
-        readers = [delta_reader(d, name) for d in self.deltas]
+        readers = [delta_reader(d, name, self.theta.info[name].shape) for d in self.deltas]
         inputs = TensorInputs(
             name,
             self.theta.info[name].shape,

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
 from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
-from pipeline.diloco.compress import SCALE_SUFFIX, compress_with_feedback
+from pipeline.diloco.compress import compress_with_feedback, payload_infos
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.diloco.rounds import MAX_SHARD, POLL_S, Clock, aborted, delta_dir, global_dir, rounds_done, send
 from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
@@ -42,7 +42,6 @@ from pipeline.train.spec import BranchSpec
 from pipeline.train.worker import Branch
 
 PAYLOAD, RESIDUAL = "delta", "residual.safetensors"
-PAYLOAD_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 class WorkerJob(BaseModel):
@@ -72,21 +71,21 @@ def wait_for_global(plan: DilocoPlan, r: int, timeout_s: float) -> int:
     return done
 
 
-def next_round(plan: DilocoPlan, r: int, timeout_s: float, rank: int) -> int:
-    """The round to train, as rank 0 sees it: every rank of the worker trains the same one."""
-    chosen = [wait_for_global(plan, r, timeout_s) if rank == 0 else None]
+def agreed(value_of, rank: int):
+    """``value_of()`` as rank 0 finds it, on every rank of the worker (they must act alike)."""
+    value = [value_of() if rank == 0 else None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def next_round(plan: DilocoPlan, r: int, timeout_s: float, rank: int) -> int:
+    """The round to train: every rank of the worker trains the same one."""
+    return agreed(lambda: wait_for_global(plan, r, timeout_s), rank)
 
 
 def payload_plan(params: dict[str, torch.nn.Parameter], compression: str) -> dict[str, TensorInfo]:
-    out = {}
-    for name, p in params.items():
-        out[name] = TensorInfo(tuple(p.shape), PAYLOAD_DTYPES[compression])
-        if compression == "int8":
-            out[name + SCALE_SUFFIX] = TensorInfo((p.shape[0] if p.dim() >= 2 else 1,), torch.float32)
-    return out
+    return {k: i for name, p in params.items() for k, i in payload_infos(name, tuple(p.shape), compression).items()}
 
 
 def write_payload(
@@ -125,6 +124,14 @@ def write_payload(
     return kept
 
 
+def keep_residual(residual: dict | None, folder: Path, rank: int) -> None:
+    """A round's checkpoint extra without a payload: the error-feedback residual only."""
+    if rank == 0:
+        with staged_dir(folder) as tmp:
+            if residual is not None:
+                save_file(residual, tmp / RESIDUAL)
+
+
 def publish(job: WorkerJob, saved: Path | None, r: int, save_s: float = 0.0) -> None:
     """Publish the payload saved in checkpoint ``saved`` as round r's, unless it already is or the
     round is over (the aggregator went on without this worker)."""
@@ -142,6 +149,7 @@ def main(job_path: str) -> None:
     branch = Branch.start(job.spec)
     launch_s = time.time() - psutil.Process().create_time()  # process start, imports, engine, resume
     params, rank = disk_names(branch.engine.model), branch.rank.rank
+    slow = plan.slow_workers.get(job.index, 1.0)
     check_masters(params)
     saved = branch.checkpointer.latest()
     residual = _residual(saved) if plan.error_feedback else None
@@ -153,12 +161,16 @@ def main(job_path: str) -> None:
         while branch.state.rounds < plan.rounds:
             clock = Clock()
             r = next_round(plan, branch.state.rounds, branch.spec.train.timeout_s, rank)
+            if r >= plan.rounds:  # a straggler left out of the last round: the run is over
+                break
             waited = clock.lap()
             if r > 0:
                 set_weights(params, str(global_dir(plan, r)))
             loaded, before = clock.lap(), branch.state
             for _ in range(plan.inner_steps):
+                step = Clock()
                 branch.step()
+                time.sleep((slow - 1) * step.lap())  # a share of 1/slow of this machine's time
             seconds = {"wait": waited, "load": loaded, "inner": clock.lap(), "launch": launch_s}
             meta = {
                 "tokens": branch.state.tokens_seen - before.tokens_seen,
@@ -167,7 +179,12 @@ def main(job_path: str) -> None:
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
             }
             pending = branch.checkpointer.folder / f".round{r}"
-            residual = write_payload(job, r, params, residual, pending, rank, **meta)
+            if agreed(lambda r=r: rounds_done(plan) > r, rank):
+                # A straggler: the round was aggregated without it (quorum mode) and its global may
+                # be gone; its Δ is dropped, its residual kept, and it joins the newest global.
+                keep_residual(residual, pending, rank)
+            else:
+                residual = write_payload(job, r, params, residual, pending, rank, **meta)
             branch.state = replace(branch.state, rounds=r + 1)
             branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
             branch.metrics.flush()

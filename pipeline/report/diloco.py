@@ -31,6 +31,7 @@ def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
                 "inner_steps": plan["inner_steps"],
                 "rounds": plan["rounds"],
                 "compression": plan["compression"],
+                "sync": plan.get("sync", "sync"),
                 "records": json.loads(rounds.read_text()),
             }
         )
@@ -58,6 +59,7 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "R": run["workers"],
         "H": run["inner_steps"],
         "rounds": f"{len(records)}/{run['rounds']}",
+        "sync": run["sync"],
         "heldout_loss": final,
         "vs_joint": None if final is None or joint is None else final - joint,
         "vs_best_merge": None if final is None or not merges else final - min(merges),
@@ -67,8 +69,14 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "aggregation_pct": 100 * sum(s["aggregate"] for s in seconds) / wall if wall > 0 else None,
         "merge_pct": 100 * sum(s["merge"] for s in seconds) / wall if wall > 0 else None,
         "launch_s": max((r["seconds"].get("launch", 0.0) for r in records), default=0.0),
-        "left_out": {r["round"]: r["dropped"] for r in records if r["dropped"]},
+        "left_out": {r["round"]: failed for r in records if (failed := failures(r))},
+        "stragglers": {r["round"]: r["stragglers"] for r in records if r.get("stragglers")},
     }
+
+
+def failures(record: dict[str, Any]) -> list[int]:
+    """The workers a round left out because they failed (not the quorum's stragglers)."""
+    return [k for k in record["dropped"] if k not in record.get("stragglers", [])]
 
 
 COLUMNS = {
@@ -78,6 +86,7 @@ COLUMNS = {
     "R": "R",
     "H": "H",
     "rounds": "rounds",
+    "sync": "sync",
     "heldout_loss": "held-out loss",
     "vs_joint": "Δ vs joint",
     "vs_best_merge": "Δ vs best merge",
@@ -102,6 +111,10 @@ def diloco_section(run_dir: Path, out: Path, models: list[dict[str, Any]]) -> di
         f"{row['variant']}, round {r}: workers {workers} left out (failed after their retries)"
         for row in rows
         for r, workers in row["left_out"].items()
+    ] + [
+        f"{row['variant']}, round {r}: stragglers {workers} left out by the quorum (still training; joined later)"
+        for row in rows
+        for r, workers in row["stragglers"].items()
     ]
     plot_diloco({run["variant"]: run["records"] for run in runs}, out / "diloco.png")
     return {
