@@ -226,6 +226,8 @@ def test_in_quorum_mode_a_slow_worker_does_not_hold_the_rounds(prefect_api, tmp_
     assert state.is_completed(), state.message
     records = json.loads((run_dir / "diloco" / "avg-iid" / "rounds.json").read_text())
     assert [(r["workers"], r["stragglers"], r["failures"]) for r in records] == [([0], [1], {})] * 2
+    # One fp32 payload, read twice, and θ's trained tensors in fp32 (as large); no momentum (μ = 0).
+    assert all(r["bytes"]["aggregator_read"] == 3 * r["bytes"]["sent"] > 0 for r in records)
     AutoModelForImageTextToText.from_pretrained(run_dir / "diloco" / "avg-iid" / "global" / "2")
     steps = (run_dir / "diloco" / "avg-iid" / "workers" / "1" / "metrics.jsonl").read_text().splitlines()
     assert len(steps) == 2  # it trained its round 0, found the run over and stopped
@@ -240,7 +242,8 @@ def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers(
             "round": r,
             "dropped": [*dropped, *stragglers],
             "stragglers": list(stragglers),
-            "bytes": {"sent": 100, "received": 300, "data_parallel": 1000},
+            "workers": [k for k in range(2) if k not in (*dropped, *stragglers)],
+            "bytes": {"sent": 100, "received": 300, "data_parallel": 1000, "aggregator_read": 250},
             "seconds": seconds,
         }
 
@@ -257,6 +260,7 @@ def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers(
     assert row["vs_joint"] == pytest.approx(0.2) and row["vs_best_merge"] == pytest.approx(-0.3)
     assert row["left_out"] == {1: [1]} and row["rounds"] == "3/3"
     assert row["stragglers"] == {2: [0]} and row["sync"] == "quorum"
+    assert row["sent_per_worker_round"] == round(300 / 4) and row["read_per_aggregator_round"] == 250
 
 
 def test_shards_are_iid_slices_the_split_groups_random_groups_or_given_ones(tmp_path):

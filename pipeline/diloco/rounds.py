@@ -225,6 +225,10 @@ def _record(plan: DilocoPlan, r: int, workers: list[int], metas: list[dict[str, 
     worker (and as many received)."""
     fp32 = sum(4 * math.prod(step.theta.info[n].shape) for n in step.trained)
     sent = sum(sum(i.nbytes for i in d.info.values()) for d in step.deltas)
+    # The aggregator reads every payload twice (the drift pass, then the merge), θ's trained
+    # tensors and the momentum; it writes θ and the momentum.
+    theta = sum(step.theta.info[n].nbytes for n in step.trained)
+    momentum = fp32 if step.previous is not None else 0
     return {
         "round": r,
         "workers": workers,
@@ -236,6 +240,7 @@ def _record(plan: DilocoPlan, r: int, workers: list[int], metas: list[dict[str, 
         "bytes": {
             "sent": sent,
             "received": len(workers) * fp32,
+            "aggregator_read": 2 * sent + theta + momentum,
             "data_parallel": plan.inner_steps * 2 * (plan.size - 1) * fp32,  # sent, by all workers
         },
         "seconds": {

@@ -64,6 +64,8 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "vs_joint": None if final is None or joint is None else final - joint,
         "vs_best_merge": None if final is None or not merges else final - min(merges),
         "bytes_sent": sent,
+        "sent_per_worker_round": round(sent / max(sum(len(r["workers"]) for r in records), 1)),
+        "read_per_aggregator_round": round(sum(r["bytes"].get("aggregator_read", 0) for r in records) / len(records)),
         "bytes_vs_data_parallel": both_ways / (2 * data_parallel) if data_parallel else None,
         "overhead_pct": 100 * (1 - sum(s["inner"] for s in seconds) / wall) if wall > 0 else None,
         "aggregation_pct": 100 * sum(s["aggregate"] for s in seconds) / wall if wall > 0 else None,
@@ -91,6 +93,8 @@ COLUMNS = {
     "vs_joint": "Δ vs joint",
     "vs_best_merge": "Δ vs best merge",
     "bytes_sent": "bytes sent",
+    "sent_per_worker_round": "sent per worker a round",
+    "read_per_aggregator_round": "read by the aggregator a round",
     "bytes_vs_data_parallel": "sent + received / data-parallel",
     "overhead_pct": "overhead %",
     "aggregation_pct": "aggregation %",
@@ -116,7 +120,7 @@ def diloco_section(run_dir: Path, out: Path, models: list[dict[str, Any]]) -> di
         for row in rows
         for r, workers in row["stragglers"].items()
     ]
-    plot_diloco({run["variant"]: run["records"] for run in runs}, out / "diloco.png")
+    plot_diloco({f"{run['variant']} ({run['sync']})": run["records"] for run in runs}, out / "diloco.png")
     return {
         "rows": rows,
         "table": {"headers": list(COLUMNS.values()), "rows": [[row[k] for k in COLUMNS] for row in rows]},

@@ -118,28 +118,27 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
-    """Per DiLoCo variant: held-out loss of the global model against rounds and against the bytes
-    the workers sent, the workers' mean pairwise cosine (drift), and where a round's time went."""
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    """Per DiLoCo variant (labelled with its sync mode): held-out loss of the global model against
+    rounds, against the wall time since the first round began and against the bytes the workers
+    sent, the workers' mean pairwise cosine (drift), and where a round's time went."""
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for variant, records in runs.items():
         evaluated = [r for r in records if r.get("heldout_loss") is not None]
-        rounds = [r["round"] + 1 for r in evaluated]
+        losses = [r["heldout_loss"] for r in evaluated]
         sent = np.cumsum([r["bytes"]["sent"] for r in records])
-        axes[0, 0].plot(rounds, [r["heldout_loss"] for r in evaluated], marker="o", ms=3, label=variant)
-        axes[0, 1].plot(
-            [sent[r["round"]] for r in evaluated],
-            [r["heldout_loss"] for r in evaluated],
-            marker="o",
-            ms=3,
-            label=variant,
-        )
+        wall = np.cumsum([r["seconds"]["wall"] for r in records])
+        axes[0, 0].plot([r["round"] + 1 for r in evaluated], losses, marker="o", ms=3, label=variant)
+        axes[0, 1].plot([wall[r["round"]] for r in evaluated], losses, marker="o", ms=3, label=variant)
+        axes[0, 2].plot([sent[r["round"]] for r in evaluated], losses, marker="o", ms=3, label=variant)
         axes[1, 0].plot([r["round"] + 1 for r in records], [r["mean_cosine"] for r in records], label=variant)
     variants = list(runs)
     shares = [round_time_shares(runs[v]) for v in variants]
     for part in shares[0]:
         axes[1, 1].bar(variants, [x[part] for x in shares], bottom=_stacked(axes[1, 1], len(variants)), label=part)
+    axes[1, 2].axis("off")
     titles = [
         ("round", "held-out loss", "Held-out loss of the global model"),
+        ("wall seconds (cumulative, from the first round)", "held-out loss", "Loss against wall time"),
         ("bytes sent by the workers (cumulative)", "held-out loss", "Loss against communication"),
         ("round", "mean pairwise cosine of Δ_k", "Worker drift"),
         ("", "% of the rounds' wall time", "Where a round's time goes (rounds after the first)"),
@@ -150,7 +149,7 @@ def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0, 1].set_xscale("log")
+    axes[0, 2].set_xscale("log")
     return _save(fig, path)
 
 
