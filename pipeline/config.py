@@ -325,6 +325,9 @@ class DilocoSection(Section):
     # A worker made k times slower (a CPU share of 1/k: it sleeps (k − 1) × each inner step's time
     # after the step), to rehearse stragglers on equal machines; by worker index.
     slow_workers: dict[int, float] = {}
+    # S: a round's tensors split by bytes into S parts, each aggregated on its own (every payload
+    # is read S ways: an aggregator reads 1/S of the bytes); exact, the same weights as S = 1.
+    aggregators: int = Field(1, ge=1)
     compression: Literal["none", "bf16", "int8", "int4"] = "none"  # of the pseudo-gradients the workers send
     error_feedback: bool = False  # a worker adds what compression dropped to its next round's Δ
     eval_every: int = Field(1, ge=0)  # held-out loss of the global model every n rounds (0: the last only)

@@ -16,15 +16,24 @@ from types import SimpleNamespace
 import prefect.settings
 import pytest
 import torch
+from conftest import prepared_run
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
 from flows.diloco import diloco
-from pipeline.config import load_config
+from pipeline.checkpoint import is_complete, read_manifest, write_manifest
+from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.compress import INT4_BLOCK, payload_infos
-from pipeline.diloco.plan import plan_of, shards
-from pipeline.diloco.rounds import abort, delta_reader
+from pipeline.diloco.plan import diloco_plan, plan_of, shards
+from pipeline.diloco.rounds import (
+    abort,
+    aggregate_round,
+    delta_dir,
+    delta_reader,
+    global_dir,
+    parts_dir,
+)
 from pipeline.diloco.worker import _keep, wait_for_global
 from pipeline.merge import CheckpointReader, Rule
 from pipeline.merge.linalg import iso
@@ -301,3 +310,87 @@ def test_waiting_workers_stop_on_the_aggregators_abort_note_and_a_round_saved_tw
         (pending / "delta" / "x").write_text(payload)
         _keep(pending, tag / "diloco")
     assert (tag / "diloco" / "delta" / "x").read_text() == "new" and not pending.exists()
+
+
+def fabricated_round(plan, r: int, seed: int) -> None:
+    """Round r's payloads of every worker as a worker publishes them: Δ_k of every floating tensor
+    of θ0 (int8, so the readers dequantise), with the tokens and seconds a worker records."""
+    theta = CheckpointReader(plan.init)
+    generator = torch.Generator().manual_seed(seed)
+    for k in range(plan.size):
+        folder = delta_dir(plan, r, k)
+        folder.mkdir(parents=True)
+        payload = {}
+        for name, info in theta.info.items():
+            if info.dtype.is_floating_point:
+                delta = 1e-2 * torch.randn(info.shape, generator=generator)
+                payload |= compress(name, delta, plan.compression)
+        save_file(payload, folder / "model.safetensors")
+        seconds = {"inner": 1.0, "load": 0.1, "save": 0.1}
+        write_manifest(folder, tokens=100 * (k + 1), seconds=seconds, kind="diloco_delta", round=r, worker=k)
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    run_dir = prepared_run(tmp_path_factory.mktemp("parts") / "run")
+    cfg = load_config(run_dir / "config.yaml", ["diloco.workers=3", "diloco.rounds=2", "diloco.compression=int8"])
+    return cfg, run_dir
+
+
+METHODS = ["weighted_average", "task_arithmetic", "iso_c", "iso_cts", "tsv", "ties", "dare"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_aggregators_splitting_a_round_by_tensors_give_the_weights_of_one(diloco_run, tmp_path, method):
+    """Two rounds (the second reads the first's momentum, in parts too) with S = 1 and S = 3."""
+    cfg, run_dir = diloco_run
+    entry = DilocoMethod(name="m", method=method, outer_lr=0.7, outer_momentum=0.9)
+    one = diloco_plan(cfg, run_dir, entry).model_copy(update={"folder": str(tmp_path / "one")})
+    three = one.model_copy(update={"folder": str(tmp_path / "three"), "aggregators": 3})
+    records = {}
+    for plan in (one, three):
+        for r in range(2):
+            fabricated_round(plan, r, seed=r)
+            records[plan.aggregators, r] = aggregate_round(plan, r, [0, 1, 2])
+    for sub in ("", "outer"):
+        a, b = CheckpointReader(global_dir(one, 2) / sub), CheckpointReader(global_dir(three, 2) / sub)
+        assert a.info.keys() == b.info.keys()
+        for name in a.info:
+            assert torch.allclose(a.get(name), b.get(name), atol=1e-6), (sub, name)
+    assert (global_dir(three, 2) / "model.safetensors.index.json").is_file()  # three files, one index
+    AutoModelForImageTextToText.from_pretrained(global_dir(three, 2))
+    first, split = records[1, 1], records[3, 1]
+    assert split["delta_norms"] == pytest.approx(first["delta_norms"], rel=1e-6)  # Gram summed over parts
+    assert split["mean_cosine"] == pytest.approx(first["mean_cosine"], rel=1e-6, abs=1e-9)
+    # Each aggregator reads about a third of what one reads (the parts are balanced by bytes).
+    assert split["bytes"]["aggregator_read"] < 0.6 * first["bytes"]["aggregator_read"]
+    assert not parts_dir(three, 1).exists()
+
+
+def test_a_part_aggregator_killed_mid_round_is_redone_to_the_same_weights(diloco_run, tmp_path):
+    cfg, run_dir = diloco_run
+    entry = DilocoMethod(name="m", method="iso_c", outer_lr=0.7, outer_momentum=0.9)
+    one = diloco_plan(cfg, run_dir, entry).model_copy(update={"folder": str(tmp_path / "one")})
+    two = one.model_copy(update={"folder": str(tmp_path / "two"), "aggregators": 2})
+    for plan in (one, two):
+        fabricated_round(plan, 0, seed=0)
+    aggregate_round(one, 0, [0, 1, 2])
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(two.model_dump_json())
+    child = (  # part 0 whole, then killed while it aggregates part 1 (or just after: never assembled)
+        "import os, signal, threading, time, sys\n"
+        "from pipeline.diloco.plan import DilocoPlan\n"
+        "from pipeline.diloco.rounds import aggregate_part\n"
+        "plan = DilocoPlan.model_validate_json(open(sys.argv[1]).read())\n"
+        "aggregate_part(plan, 0, [0, 1, 2], 0)\n"
+        "threading.Timer(0.005, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
+        "aggregate_part(plan, 0, [0, 1, 2], 1)\n"
+        "time.sleep(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(plan_file)], cwd=ROOT, capture_output=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    assert is_complete(parts_dir(two, 0) / "0") and not global_dir(two, 1).exists()
+    aggregate_round(two, 0, [0, 1, 2])  # the re-run: part 0 kept, part 1 (re)done, assembled
+    a, b = load_file(global_dir(one, 1) / "model.safetensors"), CheckpointReader(global_dir(two, 1))
+    assert all(torch.allclose(b.get(name), a[name], atol=1e-6) for name in a)
+    assert read_manifest(global_dir(two, 1))["round"] == 1 and not parts_dir(two, 0).exists()

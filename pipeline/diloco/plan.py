@@ -45,6 +45,7 @@ class DilocoPlan(BaseModel):
     quorum: int | None = None  # the workers a round waits for (default all)
     round_timeout_s: float | None = None
     slow_workers: dict[int, float] = {}
+    aggregators: int = 1  # S parts of a round's tensors, aggregated apart
 
     @property
     def size(self) -> int:
@@ -52,9 +53,10 @@ class DilocoPlan(BaseModel):
 
     def digest(self) -> str:
         """What the run's global weights depend on when every worker sends every round (not
-        ``min_workers``, how often it evaluates, the sync mode or the workers' speeds: a run may
-        resume in another mode)."""
+        ``min_workers``, how often it evaluates, the sync mode, the workers' speeds or the number
+        of aggregators: a run may resume in another mode)."""
         exclude = {"variant", "folder", "init", "workers", "sync", "quorum", "round_timeout_s", "slow_workers"}
+        exclude |= {"aggregators"}  # exact: the same weights whatever S
         inputs = {
             **self.model_dump(mode="json", exclude=exclude),
             "workers": [w.digest() for w in self.workers],
@@ -132,6 +134,7 @@ def diloco_plan(cfg: RunConfig, run_dir: str | Path, method: DilocoMethod) -> Di
         quorum=d.quorum if d.sync == "quorum" else None,
         round_timeout_s=d.round_timeout_s,
         slow_workers=d.slow_workers,
+        aggregators=d.aggregators,
     )
 
 

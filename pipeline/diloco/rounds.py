@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pipeline.checkpoint import (
+    is_complete,
     read_manifest,
     staged_dir,
     verify_checkpoint,
@@ -43,11 +44,20 @@ from pipeline.diloco.outer import OuterSGD
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.merge.driver import merge_tensor
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace
-from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
+from pipeline.merge.io import (
+    INDEX,
+    CheckpointReader,
+    MergeInputError,
+    ShardedWriter,
+    TensorInfo,
+    copy_aux_files,
+    write_index,
+)
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
+PART = "part.json"  # a part's record, beside its tensors
 MAX_SHARD = 5 << 30
 POLL_S = 0.02  # how often the aggregator looks for payloads and a worker for the next global weights
 
@@ -131,18 +141,57 @@ def aggregate_round(
     plan: DilocoPlan, r: int, workers: list[int], device: str = "cpu", block_mb: int = 1024
 ) -> dict[str, Any]:
     """Merge the pseudo-gradients the given workers sent for round r, take the outer step and
-    write ``global/<r+1>`` (weights, outer state, record); returns the round's record."""
+    write ``global/<r+1>`` (weights, outer state, record); returns the round's record. With
+    ``plan.aggregators`` = S > 1 the tensors are split into S parts by bytes, each aggregated on
+    its own (``aggregate_part``: every tensor's merge and outer step are per tensor, so the split
+    is exact), then assembled; a part already written (before a kill) is not redone."""
+    for s in range(plan.aggregators):
+        aggregate_part(plan, r, workers, s, device, block_mb)
+    return assemble_round(plan, r, workers)
+
+
+def parts_dir(plan: DilocoPlan, r: int) -> Path:
+    """Round r's parts, until they are assembled into ``global/<r+1>`` (hidden: not a round)."""
+    return Path(plan.folder) / GLOBAL / f".{r + 1}.parts"
+
+
+def tensor_parts(info: dict[str, TensorInfo], trained: list[str], parts: int) -> list[list[str]]:
+    """The trained tensors of each part, balanced by bytes: the largest first, each into the
+    lightest part so far; in checkpoint order within a part."""
+    loads, chosen = [0] * parts, [[] for _ in range(parts)]
+    for name in sorted(trained, key=lambda n: -info[n].nbytes):
+        lightest = loads.index(min(loads))
+        chosen[lightest].append(name)
+        loads[lightest] += info[name].nbytes
+    order = {name: i for i, name in enumerate(trained)}
+    return [sorted(names, key=order.__getitem__) for names in chosen]
+
+
+def aggregate_part(
+    plan: DilocoPlan, r: int, workers: list[int], s: int, device: str = "cpu", block_mb: int = 1024
+) -> dict[str, Any]:
+    """Part s of round r: its trained tensors of every payload merged, stepped and written (with
+    the frozen tensors, in part 0) to ``parts_dir/<s>``; returns the part's record: its share of
+    the drift's Gram matrix, its seconds and the bytes it read."""
+    folder = parts_dir(plan, r) / str(s)
+    if is_complete(folder):
+        return json.loads((folder / PART).read_text())
     start = time.perf_counter()
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
     step = _RoundStep(plan, r, workers, device, block_mb, worker_weights(plan, metas))
-    theta = step.theta
-    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in step.trained else i.dtype) for n, i in theta.info.items()}
-    momentum = {n: TensorInfo(theta.info[n].shape, torch.float32) for n in step.trained} if step.outer.momentum else {}
-    with staged_dir(global_dir(plan, r + 1)) as tmp, contextlib.ExitStack() as stack:
-        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD))
-        state = stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD)) if momentum else None
+    theta, stem = step.theta, "model" if plan.aggregators == 1 else f"model-part{s:03d}"
+    mine = set(tensor_parts(theta.info, step.trained, plan.aggregators)[s])
+    kept = {n: i for n, i in theta.info.items() if n in mine or (s == 0 and n not in step.trained)}
+    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in mine else i.dtype) for n, i in kept.items()}
+    momentum = {n: TensorInfo(i.shape, torch.float32) for n, i in out_plan.items() if n in mine}
+    momentum = momentum if step.outer.momentum else {}
+    with staged_dir(folder) as tmp, contextlib.ExitStack() as stack:
+        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD, stem=stem))
+        state = ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem) if momentum else None
+        if state is not None:
+            stack.enter_context(state)
         for name in writer.order:
-            if name not in step.trained:  # frozen: the same in every worker
+            if name not in mine:  # frozen: the same in every worker
                 writer.write(name, theta.get(name))
                 continue
             value, buffer = step(name)
@@ -150,15 +199,57 @@ def aggregate_round(
             if state is not None:
                 state.write(name, buffer)
         writer.close()
-        hashes = dict(writer.sha256)
+        hashes, maps = dict(writer.sha256), {"": writer.weight_map}
         if state is not None:
             state.close()
             hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
-        copy_aux_files(theta.aux_files(), tmp)
-        record = _record(plan, r, workers, metas, step)
+            maps[OUTER] = state.weight_map
+        payloads = sum(d.info[n].nbytes for d in step.deltas for n in d.info if n.split(SCALE_SUFFIX)[0] in mine)
+        theta_bytes = sum(theta.info[n].nbytes for n in mine)
+        record = {
+            "part": s,
+            "gram": step.meter.gram.tolist(),
+            "weight_maps": maps,
+            "sizes": {"": sum(i.nbytes for i in out_plan.values()), OUTER: sum(i.nbytes for i in momentum.values())},
+            # Every payload twice (the drift pass, then the merge), θ's tensors and the momentum.
+            "read": 2 * payloads + theta_bytes + (sum(i.nbytes for i in momentum.values()) if step.previous else 0),
+            "seconds": {**{k: round(v, 4) for k, v in step.seconds.items()}, "aggregate": 0.0},
+        }
         record["seconds"]["aggregate"] = round(time.perf_counter() - start, 4)
+        write_json_atomic(tmp / PART, record)
+        write_manifest(tmp, hashes, kind="diloco_part", round=r + 1, part=s, variant=plan.variant)
+    return record
+
+
+def assemble_round(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, Any]:
+    """``global/<r+1>`` from round r's parts (their files linked, one index over them), with the
+    round's record (the drift's Gram matrix summed over the parts) written in it last."""
+    folders = [parts_dir(plan, r) / str(s) for s in range(plan.aggregators)]
+    parts = []
+    for folder in folders:
+        verify_checkpoint(folder)
+        parts.append(json.loads((folder / PART).read_text()))
+    metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
+    theta, deltas = CheckpointReader(global_dir(plan, r)), [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
+    with staged_dir(global_dir(plan, r + 1)) as tmp:
+        hashes, maps = {}, {}
+        for folder in folders:
+            for name, digest in read_manifest(folder)["files"].items():
+                if Path(name).name in (PART, INDEX):
+                    continue
+                link(folder / name, tmp / name)
+                hashes[name] = digest
+        for part in parts:
+            for sub, weight_map in part["weight_maps"].items():
+                maps.setdefault(sub, {}).update(weight_map)
+        for sub, weight_map in maps.items():
+            if len(set(weight_map.values())) > 1:  # several files: the index transformers reads
+                write_index(tmp / sub, weight_map, sum(part["sizes"].get(sub, 0) for part in parts))
+        copy_aux_files(theta.aux_files(), tmp)
+        record = _record(plan, r, workers, metas, theta, deltas, parts)
         write_json_atomic(tmp / "round.json", record)
         write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant)
+    shutil.rmtree(parts_dir(plan, r), ignore_errors=True)
     return record
 
 
@@ -218,36 +309,47 @@ def outer_of(method: DilocoMethod) -> OuterSGD:
     return OuterSGD(lr=method.outer_lr, momentum=method.outer_momentum, nesterov=method.nesterov)
 
 
-def _record(plan: DilocoPlan, r: int, workers: list[int], metas: list[dict[str, Any]], step: _RoundStep) -> dict:
+def _record(
+    plan: DilocoPlan,
+    r: int,
+    workers: list[int],
+    metas: list[dict[str, Any]],
+    theta: CheckpointReader,
+    deltas: list[CheckpointReader],
+    parts: list[dict[str, Any]],
+) -> dict:
     """The round as the report shows it. Bytes: each worker sends its payload and receives the
-    trained tensors of the new global in fp32; data-parallel training of the same tokens would
+    trained tensors of the new global in fp32; each aggregator (part) reads its share of every
+    payload twice, θ's and the momentum's; data-parallel training of the same tokens would
     all-reduce fp32 gradients every inner step: with a ring, 2 (R − 1) / R of them sent by each
     worker (and as many received)."""
-    fp32 = sum(4 * math.prod(step.theta.info[n].shape) for n in step.trained)
-    sent = sum(sum(i.nbytes for i in d.info.values()) for d in step.deltas)
-    # The aggregator reads every payload twice (the drift pass, then the merge), θ's trained
-    # tensors and the momentum; it writes θ and the momentum.
-    theta = sum(step.theta.info[n].nbytes for n in step.trained)
-    momentum = fp32 if step.previous is not None else 0
+    trained = [n for n in deltas[0].info if not n.endswith(SCALE_SUFFIX)]
+    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in trained)
+    meter = DriftMeter(len(workers))
+    meter.gram = sum(torch.tensor(part["gram"], dtype=torch.float64) for part in parts)
+    seconds = {k: round(sum(part["seconds"][k] for part in parts), 4) for k in ("drift", "merge", "outer")}
     return {
         "round": r,
         "workers": workers,
         "dropped": [k for k in range(plan.size) if k not in workers],
-        "weights": [round(w, 6) for w in step.weights.tolist()],
+        "weights": [round(w, 6) for w in worker_weights(plan, metas).tolist()],
         "tokens": [m["tokens"] for m in metas],
-        "delta_norms": step.meter.norms(),
-        "mean_cosine": step.meter.mean_cosine(),
+        "delta_norms": meter.norms(),
+        "mean_cosine": meter.mean_cosine(),
+        "aggregators": len(parts),
         "bytes": {
-            "sent": sent,
+            "sent": sum(sum(i.nbytes for i in d.info.values()) for d in deltas),
             "received": len(workers) * fp32,
-            "aggregator_read": 2 * sent + theta + momentum,
+            "aggregator_read": max(part["read"] for part in parts),  # the busiest aggregator's
             "data_parallel": plan.inner_steps * 2 * (plan.size - 1) * fp32,  # sent, by all workers
         },
         "seconds": {
             "inner": max(m["seconds"]["inner"] for m in metas),
             "worker_io": max(m["seconds"]["load"] + m["seconds"]["save"] for m in metas),
             "launch": max(m["seconds"].get("launch", 0.0) for m in metas),
-            **{k: round(v, 4) for k, v in step.seconds.items()},
+            **seconds,
+            # Parts one after another here; on S machines, the slowest part's.
+            "aggregate": round(sum(part["seconds"]["aggregate"] for part in parts), 4),
         },
     }
 
@@ -272,11 +374,18 @@ def send(source: Path, plan: DilocoPlan, r: int, k: int, save_s: float = 0.0) ->
     meta["seconds"] = {**meta.get("seconds", {}), "save": save_s}
     with staged_dir(delta_dir(plan, r, k)) as tmp:
         for name in manifest["files"]:
-            try:
-                os.link(source / name, tmp / name)
-            except OSError:
-                shutil.copy2(source / name, tmp / name)
+            link(source / name, tmp / name)
         write_manifest(tmp, manifest["files"], **meta)
+
+
+def link(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` where the file system allows (no second copy of the
+    bytes), else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def recover(plan: DilocoPlan, r: int) -> None:

@@ -181,12 +181,13 @@ class ShardedWriter:
         tensors: dict[str, TensorInfo],
         max_shard_bytes: int,
         metadata: dict | None = None,
-        single: str = SINGLE,
+        stem: str = "model",
     ):
         self.folder, self.tensors = folder, tensors
         self.shards = plan_shards(tensors, max_shard_bytes)
         n = len(self.shards)
-        self.names = [single] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        numbered = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.names = numbered if n > 1 else [f"{stem}.safetensors"]
         self.metadata = {"format": "pt", **(metadata or {})}
         self.order = [name for shard in self.shards for name in shard]
         self._shard_starts = {shard[0]: i for i, shard in enumerate(self.shards)}
@@ -277,12 +278,19 @@ class ShardedWriter:
         if self._next != len(self.order):
             raise RuntimeError(f"writer closed after {self._next} of {len(self.order)} tensors")
         if len(self.shards) > 1:
-            weight_map = {name: self.names[i] for i, shard in enumerate(self.shards) for name in shard}
-            total = sum(info.nbytes for info in self.tensors.values())
-            (self.folder / INDEX).write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
+            write_index(self.folder, self.weight_map, sum(info.nbytes for info in self.tensors.values()))
         return self.names
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        """Each tensor's file."""
+        return {name: self.names[i] for i, shard in enumerate(self.shards) for name in shard}
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """The index of a checkpoint in several files, as transformers writes and reads it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2))
 
 
 def copy_aux_files(files: Iterable[Path], folder: Path) -> None:

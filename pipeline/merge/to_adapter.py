@@ -39,7 +39,8 @@ def merge_to_adapter(spec: MergeSpec, progress: bool = True, **meta: Any) -> Mer
     plan = {key: info for out in outputs.values() for key, info in out["tensors"].items()}
     errors: dict[str, float] = {}
     total = sum(info.nbytes for info in plan.values())
-    with staged_dir(spec.out_path) as tmp, ShardedWriter(tmp, plan, total + 1, single=ADAPTER_WEIGHTS) as writer:
+    stem = ADAPTER_WEIGHTS.removesuffix(".safetensors")
+    with staged_dir(spec.out_path) as tmp, ShardedWriter(tmp, plan, total + 1, stem=stem) as writer:
         for name, out in tqdm(outputs.items(), desc="merge", unit="tensor", disable=not progress, leave=False):
             dtype = next(iter(out["tensors"].values())).dtype
             if out["kind"] == "whole":

@@ -94,7 +94,7 @@ COLUMNS = {
     "vs_best_merge": "Δ vs best merge",
     "bytes_sent": "bytes sent",
     "sent_per_worker_round": "sent per worker a round",
-    "read_per_aggregator_round": "read by the aggregator a round",
+    "read_per_aggregator_round": "read per aggregator a round",
     "bytes_vs_data_parallel": "sent + received / data-parallel",
     "overhead_pct": "overhead %",
     "aggregation_pct": "aggregation %",
