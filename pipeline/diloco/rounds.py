@@ -3,6 +3,7 @@
     diloco/<variant>/plan.json                the settings (a folder holds one plan's rounds)
     diloco/<variant>/global/<r>/              θ after r rounds: a loadable checkpoint, with the
                                               outer optimizer's state (outer/) and round.json
+    diloco/<variant>/global/.<r>.parts/<s>/   part s of it (``diloco.aggregators``), until assembled
     diloco/<variant>/deltas/<r>/<k>/          worker k's compressed pseudo-gradient of round r
     diloco/<variant>/workers/<k>/             worker k's inner state, metrics and log
     diloco/<variant>/rounds.json              every round's record
@@ -187,9 +188,11 @@ def aggregate_part(
     momentum = momentum if step.outer.momentum else {}
     with staged_dir(folder) as tmp, contextlib.ExitStack() as stack:
         writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD, stem=stem))
-        state = ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem) if momentum else None
-        if state is not None:
-            stack.enter_context(state)
+        state = (
+            stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem))
+            if momentum
+            else None
+        )
         for name in writer.order:
             if name not in mine:  # frozen: the same in every worker
                 writer.write(name, theta.get(name))
@@ -213,7 +216,7 @@ def aggregate_part(
             "sizes": {"": sum(i.nbytes for i in out_plan.values()), OUTER: sum(i.nbytes for i in momentum.values())},
             # Every payload twice (the drift pass, then the merge), θ's tensors and the momentum.
             "read": 2 * payloads + theta_bytes + (sum(i.nbytes for i in momentum.values()) if step.previous else 0),
-            "seconds": {**{k: round(v, 4) for k, v in step.seconds.items()}, "aggregate": 0.0},
+            "seconds": {k: round(v, 4) for k, v in step.seconds.items()},
         }
         record["seconds"]["aggregate"] = round(time.perf_counter() - start, 4)
         write_json_atomic(tmp / PART, record)
