@@ -36,7 +36,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def row_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """The (rows, columns) a tensor of ``shape`` is quantised as (see ``as_rows``)."""
     rows = shape[0] if len(shape) >= 2 else 1
-    return rows, math.prod(shape) // max(rows, 1) if rows else 0
+    return rows, math.prod(shape) // rows if rows else 0
 
 
 def payload_infos(name: str, shape: tuple[int, ...], kind: Compression) -> dict[str, TensorInfo]:

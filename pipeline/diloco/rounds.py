@@ -228,16 +228,14 @@ def assemble_round(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, An
     """``global/<r+1>`` from round r's parts (their files linked, one index over them), with the
     round's record (the drift's Gram matrix summed over the parts) written in it last."""
     folders = [parts_dir(plan, r) / str(s) for s in range(plan.aggregators)]
-    parts = []
-    for folder in folders:
-        verify_checkpoint(folder)
-        parts.append(json.loads((folder / PART).read_text()))
+    manifests = [verify_checkpoint(folder) for folder in folders]
+    parts = [json.loads((folder / PART).read_text()) for folder in folders]
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
     theta, deltas = CheckpointReader(global_dir(plan, r)), [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
     with staged_dir(global_dir(plan, r + 1)) as tmp:
         hashes, maps = {}, {}
-        for folder in folders:
-            for name, digest in read_manifest(folder)["files"].items():
+        for folder, manifest in zip(folders, manifests):
+            for name, digest in manifest["files"].items():
                 if Path(name).name in (PART, INDEX):
                     continue
                 link(folder / name, tmp / name)
