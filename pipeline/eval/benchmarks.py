@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from importlib.metadata import version
@@ -24,6 +25,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from pipeline import prestart
 from pipeline.checkpoint import checkpoint_id, staged_dir, write_json_atomic
 from pipeline.config import JudgeSection, RunConfig
 from pipeline.data.benchmark import MARKER, TASKS_DIR, is_toy_task, toy_tasks
@@ -37,6 +39,11 @@ BENCHMARKS = "benchmarks"  # eval/benchmarks/<model>/
 SCORES = "scores.json"
 LOG = "lmms_eval.log"
 LMMS_MODEL = "qwen2_5_vl"
+LMMS_RUN = "pipeline.eval.lmms_run"
+# What an evaluation imports before its first model call (lmms-eval itself, its Qwen2.5-VL model
+# classes, ours over an adapter): imported once by a prestart server on a CPU machine (pipeline.prestart).
+LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "lmms_eval.models.simple.qwen2_5_vl"]
+LMMS_PRELOAD += ["pipeline.eval.lmms_adapted"]
 ADAPTED_MODEL = "merit_qwen2_5_vl"  # the same over θ0 + a LoRA adapter (pipeline.eval.lmms_plugin)
 # Tasks scored by a judge model (by name prefix), and how their lmms-eval code reads the judge's
 # OPENAI_API_URL: lmms-eval's llm_judge providers take the API's base URL (…/v1), MMBench's
@@ -251,25 +258,24 @@ def _evaluate(
     """One lmms-eval process writing into ``out`` (renamed ``final`` once whole); returns the
     ``python -m lmms_eval`` command that does the same."""
     spec = run_spec(cfg, run_dir, checkpoint, tasks, out)
+    device = spec["device"]
     spec_path = out / f"spec-{len(list(out.glob('spec-*.json')))}.json"
     write_json_atomic(spec_path, spec)
     env = os.environ | _process_environment(checkpoint) | env
     with (out / LOG).open("a") as log:
+        if device == "cpu" and prestart.usable():  # a fork of a process that imported lmms-eval
+            proc = prestart.start(LMMS_RUN, [str(spec_path)], env, preload=LMMS_PRELOAD, stdout=log.fileno())
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", LMMS_RUN, str(spec_path)], stdout=log, stderr=log, env=env)
         try:
-            done = subprocess.run(
-                [sys.executable, "-m", "pipeline.eval.lmms_run", str(spec_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=cfg.eval.benchmark_timeout_s,
-            )
+            code = proc.wait(timeout=cfg.eval.benchmark_timeout_s)
         except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
             raise RuntimeError(f"lmms-eval on {checkpoint} ran past eval.benchmark_timeout_s") from None
-    if done.returncode != 0:
+    if code != 0:
         tail = (out / LOG).read_text().splitlines()[-15:]
-        raise RuntimeError(
-            f"lmms-eval on {checkpoint} failed (exit code {done.returncode}); its log ends:\n" + "\n".join(tail)
-        )
+        raise RuntimeError(f"lmms-eval on {checkpoint} failed (exit code {code}); its log ends:\n" + "\n".join(tail))
     return cli_command(spec | {"output_path": str(final)})
 
 

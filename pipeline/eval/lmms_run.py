@@ -15,13 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+from lmms_eval import evaluator
+from lmms_eval.loggers.evaluation_tracker import EvaluationTracker
+from lmms_eval.tasks import TaskManager
+from lmms_eval.utils import get_datetime_str
+
 
 def evaluate(spec: dict) -> None:
-    from lmms_eval import evaluator
-    from lmms_eval.loggers.evaluation_tracker import EvaluationTracker
-    from lmms_eval.tasks import TaskManager
-    from lmms_eval.utils import get_datetime_str
-
     tasks = TaskManager(include_path=spec["include_path"] or None, include_defaults=spec["include_defaults"])
     tracker = EvaluationTracker(output_path=spec["output_path"])
     when = get_datetime_str()

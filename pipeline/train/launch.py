@@ -1,7 +1,9 @@
 """Launch one branch as its own process group: ``torch.distributed.run`` with N processes (NCCL
 on GPUs, gloo on CPU), or the one rank alone. One subprocess per branch keeps DeepSpeed's global
 state (ZeRO-3 partitioning) out of the caller. The subprocess' exit code becomes an exception; a
-timeout kills its whole process group; its output is streamed to the caller and to ``train.log``."""
+timeout kills its whole process group; its output is streamed to the caller and to ``train.log``.
+On a machine without CUDA the one rank is forked from a process that has already imported it
+(:mod:`pipeline.prestart`): the same process, without its 10 s of imports."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import prestart
 from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.threads import threads_per_process
 from pipeline.train.spec import BranchSpec
@@ -127,15 +130,18 @@ def run_job(
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env=env,
-            start_new_session=True,
-        )
+        if spec.train.processes == 1 and prestart.usable():  # a fork of a process that imported the module
+            proc = prestart.start(module, [str(spec_path)], env, preload=[module])
+        else:
+            proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                env=env,
+                start_new_session=True,
+            )
         pump = threading.Thread(target=_pump, args=(proc, log_file, echo), daemon=True)
         pump.start()
         try:
@@ -173,7 +179,7 @@ def _refuse_other_spec(spec: BranchSpec, digest: str) -> None:
         )
 
 
-def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
+def _pump(proc: subprocess.Popen | prestart.Job, log_file, echo: bool) -> None:
     """Copy the process group's output; never stop reading, or a full pipe would block the ranks."""
     for line in proc.stdout:
         log_file.write(line)
