@@ -7,6 +7,10 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev
 STAMP  := $(VENV)/.installed
+# Test processes at once (a test module each): most tests wait on processes they start (a branch,
+# an evaluation, a Prefect worker) and one pytest keeps 2 cores about half busy. The modules go
+# out in the order tests/conftest.py gives them (the longest first).
+TEST_WORKERS ?= 2
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -33,7 +37,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -27,6 +27,17 @@ from pipeline.models import init_model, load_processor
 GOLDEN = Path(__file__).parent / "golden"
 
 
+# `make test` runs the modules on 2 workers (pytest-xdist, a module per worker at a time): the
+# longest start first, so that neither worker is left with one of them while the other is idle.
+LONGEST_FIRST = ["test_prefect_server", "test_diloco", "test_flow", "test_shipped_3b", "test_lora"]
+LONGEST_FIRST += ["test_bench_quality", "test_train", "test_shipped_7b_lora", "test_diagnostics"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from this run")
 
