@@ -363,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
     )
     bench.add_argument("--out", default="runs/bench-diloco", help="folder for results.json and loss.png")
+    bench = benches.add_parser("aggregators", help="bytes and seconds of a DiLoCo round's busiest aggregator: R × S")
+    bench.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="numbers of workers R")
+    bench.add_argument("--size", choices=["small", "medium", "3b"], default="small", help="θ0's widths")
+    bench.add_argument("--compression", choices=["none", "bf16", "int8", "int4"], default="none")
+    bench.add_argument("--method", default="iso_c", help="the merge method that aggregates")
+    bench.add_argument("--workdir", help="where to write θ0 and the payloads (default: the temp folder)")
     for bench in benches.choices.values():
         bench.set_defaults(func=cmd_bench)
     return parser

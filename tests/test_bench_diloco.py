@@ -1,5 +1,8 @@
 """``merit bench diloco``'s building blocks: the stdlib corpus and its file-level split, and one
-round of plain averaging, checked against the workers' weights averaged by hand."""
+round of plain averaging, checked against the workers' weights averaged by hand; ``merit bench
+aggregators``' bytes against their arithmetic."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,3 +66,18 @@ def test_a_learner_clips_its_gradients_before_each_step():
     batch = torch.randint(0, EOD + 1, (2, CONTEXT + 1), generator=torch.Generator().manual_seed(0))
     norms = learner.train([batch, batch])
     assert min(norms) > 10 * CLIP and seen == pytest.approx([CLIP, CLIP], rel=1e-4)
+
+
+def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_path, capsys):
+    """One aggregator reads every payload twice, θ and the momentum: (2R + 2) payloads' bytes
+    (fp32, every tensor trained); S aggregators each about 1/S of it."""
+    from pipeline.bench.aggregators import main
+
+    main(SimpleNamespace(workers=[2], size="small", compression="none", method="iso_c", workdir=str(tmp_path)))
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    read = {int(row[1]): float(row[3]) for row in rows}
+    payload = float(rows[0][2])
+    assert sorted(read) == [1, 2] and payload > 1
+    assert read[1] == pytest.approx(6 * payload, rel=0.02)
+    assert 0.5 * read[1] <= read[2] <= 0.6 * read[1]
+    assert not any(tmp_path.iterdir())  # θ0 and the payloads went with the bench

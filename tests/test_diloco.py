@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
 from flows.diloco import diloco
-from pipeline.checkpoint import is_complete, read_manifest, write_manifest
+from pipeline.bench.aggregators import fabricate_round
+from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.compress import INT4_BLOCK, payload_infos
@@ -29,7 +30,6 @@ from pipeline.diloco.plan import diloco_plan, plan_of, shards
 from pipeline.diloco.rounds import (
     abort,
     aggregate_round,
-    delta_dir,
     delta_reader,
     global_dir,
     parts_dir,
@@ -312,24 +312,6 @@ def test_waiting_workers_stop_on_the_aggregators_abort_note_and_a_round_saved_tw
     assert (tag / "diloco" / "delta" / "x").read_text() == "new" and not pending.exists()
 
 
-def fabricated_round(plan, r: int, seed: int) -> None:
-    """Round r's payloads of every worker as a worker publishes them: Δ_k of every floating tensor
-    of θ0 (int8, so the readers dequantise), with the tokens and seconds a worker records."""
-    theta = CheckpointReader(plan.init)
-    generator = torch.Generator().manual_seed(seed)
-    for k in range(plan.size):
-        folder = delta_dir(plan, r, k)
-        folder.mkdir(parents=True)
-        payload = {}
-        for name, info in theta.info.items():
-            if info.dtype.is_floating_point:
-                delta = 1e-2 * torch.randn(info.shape, generator=generator)
-                payload |= compress(name, delta, plan.compression)
-        save_file(payload, folder / "model.safetensors")
-        seconds = {"inner": 1.0, "load": 0.1, "save": 0.1}
-        write_manifest(folder, tokens=100 * (k + 1), seconds=seconds, kind="diloco_delta", round=r, worker=k)
-
-
 @pytest.fixture(scope="module")
 def diloco_run(tmp_path_factory):
     run_dir = prepared_run(tmp_path_factory.mktemp("parts") / "run")
@@ -350,7 +332,7 @@ def test_aggregators_splitting_a_round_by_tensors_give_the_weights_of_one(diloco
     records = {}
     for plan in (one, three):
         for r in range(2):
-            fabricated_round(plan, r, seed=r)
+            fabricate_round(plan, r, seed=r)
             records[plan.aggregators, r] = aggregate_round(plan, r, [0, 1, 2])
     for sub in ("", "outer"):
         a, b = CheckpointReader(global_dir(one, 2) / sub), CheckpointReader(global_dir(three, 2) / sub)
@@ -373,7 +355,7 @@ def test_a_part_aggregator_killed_mid_round_is_redone_to_the_same_weights(diloco
     one = diloco_plan(cfg, run_dir, entry).model_copy(update={"folder": str(tmp_path / "one")})
     two = one.model_copy(update={"folder": str(tmp_path / "two"), "aggregators": 2})
     for plan in (one, two):
-        fabricated_round(plan, 0, seed=0)
+        fabricate_round(plan, 0, seed=0)
     aggregate_round(one, 0, [0, 1, 2])
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(two.model_dump_json())
