@@ -22,7 +22,7 @@ from pipeline.config import DilocoMethod, load_config
 from pipeline.data import prepare_data
 from pipeline.diloco.compress import compress
 from pipeline.diloco.plan import DilocoPlan, diloco_plan
-from pipeline.diloco.rounds import aggregate_round, delta_dir
+from pipeline.diloco.rounds import aggregate_part, aggregate_round, assemble_round, delta_dir
 from pipeline.layout import CONFIG, start_run
 from pipeline.merge.io import CheckpointReader
 from pipeline.models import processor_for
@@ -50,7 +50,8 @@ def fabricate_round(plan: DilocoPlan, r: int, seed: int) -> None:
 
 def measure(run_dir: Path, overrides: list[str], workers: int, aggregators: int, method: str) -> dict[str, float]:
     """The second of two rounds (it reads the first's momentum) of R workers with S aggregators:
-    the payload of a worker, what the busiest aggregator read, the round's seconds."""
+    the payload of a worker, what the busiest aggregator read and its seconds, and the seconds of
+    assembling the parts into the round's global weights."""
     cfg = load_config(run_dir / CONFIG, [*overrides, f"diloco.workers={workers}"])
     entry = DilocoMethod(name="bench", method=method, outer_lr=0.7, outer_momentum=0.9)
     folder = run_dir / "bench" / f"R{workers}-S{aggregators}"
@@ -58,12 +59,17 @@ def measure(run_dir: Path, overrides: list[str], workers: int, aggregators: int,
     fabricate_round(plan, 0, seed=0)
     aggregate_round(plan, 0, list(range(workers)))
     fabricate_round(plan, 1, seed=1)
+    seconds = []
+    for part in range(aggregators):  # one after another here; on machines of their own at once
+        start = time.perf_counter()
+        aggregate_part(plan, 1, list(range(workers)), part)
+        seconds.append(time.perf_counter() - start)
     start = time.perf_counter()
-    record = aggregate_round(plan, 1, list(range(workers)))
-    seconds = time.perf_counter() - start
+    record = assemble_round(plan, 1, list(range(workers)))
+    assemble = time.perf_counter() - start
     shutil.rmtree(folder)
     read, sent = record["bytes"]["aggregator_read"], record["bytes"]["sent"]
-    return {"payload_mb": sent / workers / MB, "read_mb": read / MB, "seconds": seconds}
+    return {"payload_mb": sent / workers / MB, "read_mb": read / MB, "seconds": max(seconds), "assemble": assemble}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -78,18 +84,19 @@ def main(args: argparse.Namespace) -> None:
             f"θ0: Qwen2.5-VL at the '{args.size}' widths, {counts['total'] / 1e6:.1f} M parameters; "
             f"payloads {args.compression}; {args.method}; 1 thread an aggregator"
         )
-        print("| R | S | payload MB / worker | read MB / aggregator | read / (R · payload) | aggregator s |")
-        print("|---|---|---|---|---|---|")
+        header = ["R", "S", "payload MB / worker", "read MB / aggregator", "read / (R · payload)", "aggregator s"]
+        print("| " + " | ".join([*header, "assembly s"]) + " |")
+        print("|---|---|---|---|---|---|---|")
         for workers in args.workers:
             for aggregators in sorted({1, 2, workers}):
                 m = measure(run_dir, overrides, workers, aggregators, args.method)
                 ratio = m["read_mb"] / (workers * m["payload_mb"])
                 print(
                     f"| {workers} | {aggregators} | {m['payload_mb']:.1f} | {m['read_mb']:.1f} | {ratio:.2f} | "
-                    f"{m['seconds']:.2f} |",
+                    f"{m['seconds']:.2f} | {m['assemble']:.2f} |",
                     flush=True,
                 )
     print(
         "read: what the busiest of the S aggregators reads in a round after the first (every payload twice, "
-        "θ's tensors, the outer momentum), as its readers count it"
+        "θ's tensors, the outer momentum), as its readers count it; aggregator s: the slowest part's"
     )
