@@ -27,6 +27,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,16 +122,18 @@ def start(module: str, args: list[str], env: dict[str, str], preload: list[str],
         read_end = open(read, errors="replace")  # noqa: SIM115 (the handle's, closed by its reader)
     try:
         request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
-        for attempt in range(2):
-            server = _server(key, tuple(preload), base, fresh=attempt > 0)
-            with contextlib.suppress(ConnectionError, FileNotFoundError):
-                conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for fresh in (False, True):
+            server = _server(key, tuple(preload), base, fresh)
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
                 conn.connect(str(server.socket))
                 socket.send_fds(conn, [request], [stdout])
                 reply = conn.recv(MESSAGE)
-                if reply:
-                    return Job(conn, json.loads(reply)["pid"], read_end)
-            # The server was leaving (idle) as the request came: start another.
+            except (ConnectionError, FileNotFoundError):
+                reply = b""
+            if reply:
+                return Job(conn, json.loads(reply)["pid"], read_end)
+            conn.close()  # the server was leaving (idle) as the request came: start another
         raise RuntimeError(f"the prestart server for {module} took no job")
     finally:
         if read_end is not None:
@@ -238,4 +241,4 @@ def _child(request: dict, out: int) -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1], sys.argv[2:])
-    Path(sys.argv[1]).unlink(missing_ok=True)  # the folder keeps the server's log until the OS clears /tmp
+    shutil.rmtree(Path(sys.argv[1]).parent)  # its socket and log (kept when it could not start)

@@ -258,12 +258,11 @@ def _evaluate(
     """One lmms-eval process writing into ``out`` (renamed ``final`` once whole); returns the
     ``python -m lmms_eval`` command that does the same."""
     spec = run_spec(cfg, run_dir, checkpoint, tasks, out)
-    device = spec["device"]
     spec_path = out / f"spec-{len(list(out.glob('spec-*.json')))}.json"
     write_json_atomic(spec_path, spec)
     env = os.environ | _process_environment(checkpoint) | env
     with (out / LOG).open("a") as log:
-        if device == "cpu" and prestart.usable():  # a fork of a process that imported lmms-eval
+        if prestart.usable():  # a fork of a process that imported lmms-eval
             proc = prestart.start(LMMS_RUN, [str(spec_path)], env, preload=LMMS_PRELOAD, stdout=log.fileno())
         else:
             proc = subprocess.Popen([sys.executable, "-m", LMMS_RUN, str(spec_path)], stdout=log, stderr=log, env=env)
