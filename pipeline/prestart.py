@@ -207,11 +207,11 @@ def _child(request: dict, out: int) -> None:
 
     os.setsid()
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    os.close(null)
     os.close(out)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
