@@ -85,8 +85,8 @@ class Job:
 
 class _Server:
     def __init__(self, modules: tuple[str, ...], env: dict[str, str]):
-        self.folder = Path(tempfile.mkdtemp(prefix="merit-prestart-"))
-        self.socket, log = self.folder / "socket", self.folder / "server.log"
+        folder = Path(tempfile.mkdtemp(prefix="merit-prestart-"))
+        self.socket, log = folder / "socket", folder / "server.log"
         with log.open("w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.prestart", str(self.socket), *modules],

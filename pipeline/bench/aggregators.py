@@ -84,9 +84,10 @@ def main(args: argparse.Namespace) -> None:
             f"θ0: Qwen2.5-VL at the '{args.size}' widths, {counts['total'] / 1e6:.1f} M parameters; "
             f"payloads {args.compression}; {args.method}; 1 thread an aggregator"
         )
-        header = ["R", "S", "payload MB / worker", "read MB / aggregator", "read / (R · payload)", "aggregator s"]
-        print("| " + " | ".join([*header, "assembly s"]) + " |")
-        print("|---|---|---|---|---|---|---|")
+        header = ["R", "S", "payload MB / worker", "read MB / aggregator", "read / (R · payload)"]
+        header += ["aggregator s", "assembly s"]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
         for workers in args.workers:
             for aggregators in sorted({1, 2, workers}):
                 m = measure(run_dir, overrides, workers, aggregators, args.method)
