@@ -185,14 +185,15 @@ def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Eva
             f"DiLoCo {plan.variant} round {r}: {len(sent)} of {plan.size} workers sent their pseudo-gradients, "
             f"fewer than diloco.min_workers = {cfg.diloco.min_workers}; failed: {dropped}"
         )
-    record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb)
-    record["failures"] = {str(k): why for k, why in dropped.items()}
-    # Still training round r: their payload will find the round closed and be dropped, and they
-    # join the newest global with their own inner state (OpenDiLoCo's rule: applying a Δ taken
-    # from an older global would need that global kept and a staleness rule).
-    record["stragglers"] = [k for k in range(plan.size) if k not in sent and k not in dropped]
+    notes = {
+        "failures": {str(k): why for k, why in dropped.items()},
+        # Still training round r: their payload will find the round closed and be dropped, and they
+        # join the newest global with their own inner state (OpenDiLoCo's rule: applying a Δ taken
+        # from an older global would need that global kept and a staleness rule).
+        "stragglers": [k for k in range(plan.size) if k not in sent and k not in dropped],
+    }
+    record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb, notes, began)
     ended = time.perf_counter()
-    record["seconds"]["wall"] = round(ended - began, 4)
     evaluator.save(record)
     if dropped:
         get_run_logger().warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")

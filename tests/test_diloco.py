@@ -33,7 +33,9 @@ from pipeline.diloco.rounds import (
     delta_reader,
     global_dir,
     parts_dir,
+    recover,
 )
+from pipeline.diloco.rounds import records as round_records
 from pipeline.diloco.worker import _keep, wait_for_global
 from pipeline.merge import CheckpointReader, Rule
 from pipeline.merge.linalg import iso
@@ -191,6 +193,10 @@ def test_a_killed_flow_resumes_to_the_same_global_weights(prefect_api, tmp_path)
         assert torch.allclose(tensor, expected[name], atol=1e-6), name
     momentum = load_file(killed / "diloco" / "avg-iid" / "global" / "3" / "outer" / "model.safetensors")
     assert momentum.keys() == {n for n in expected if n in momentum} and momentum
+    recorded = [json.loads((d / "diloco" / "avg-iid" / "rounds.json").read_text()) for d in (whole, killed)]
+    assert [(r.keys(), r["seconds"].keys()) for r in recorded[1]] == [
+        (r.keys(), r["seconds"].keys()) for r in recorded[0]
+    ]
 
 
 def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_averaging_is_plain_training(
@@ -347,6 +353,22 @@ def test_aggregators_splitting_a_round_by_tensors_give_the_weights_of_one(diloco
     # Each aggregator reads about a third of what one reads (the parts are balanced by bytes).
     assert split["bytes"]["aggregator_read"] < 0.6 * first["bytes"]["aggregator_read"]
     assert not parts_dir(three, 1).exists()
+
+
+def test_a_round_recovered_after_a_kill_is_recorded_as_the_flow_records_it(diloco_run, tmp_path):
+    """Killed between writing global 1 and adding its record to rounds.json: the re-run's record
+    is the one the flow would have saved, notes and wall time included (the report reads them)."""
+    cfg, run_dir = diloco_run
+    entry = DilocoMethod(name="m", method="weighted_average", outer_lr=1.0, outer_momentum=0.0)
+    plan = diloco_plan(cfg, run_dir, entry).model_copy(update={"folder": str(tmp_path / "plan")})
+    fabricate_round(plan, 0, seed=0)
+    notes = {"failures": {"2": "exit code 1"}, "stragglers": [1]}
+    record = aggregate_round(plan, 0, [0], notes=notes, began=time.perf_counter() - 5.0)
+    assert record["failures"] == notes["failures"] and record["stragglers"] == [1]
+    assert record["seconds"]["wall"] >= 5.0
+    assert round_records(plan) == []
+    recover(plan, 0)
+    assert round_records(plan) == [record]
 
 
 def test_a_part_aggregator_killed_mid_round_is_redone_to_the_same_weights(diloco_run, tmp_path):

@@ -139,16 +139,25 @@ def delta_reader(reader: CheckpointReader, name: str, shape: tuple[int, ...]) ->
 
 
 def aggregate_round(
-    plan: DilocoPlan, r: int, workers: list[int], device: str = "cpu", block_mb: int = 1024
+    plan: DilocoPlan,
+    r: int,
+    workers: list[int],
+    device: str = "cpu",
+    block_mb: int = 1024,
+    notes: dict[str, Any] | None = None,
+    began: float | None = None,
 ) -> dict[str, Any]:
     """Merge the pseudo-gradients the given workers sent for round r, take the outer step and
-    write ``global/<r+1>`` (weights, outer state, record); returns the round's record. With
+    write ``global/<r+1>`` (weights, outer state, record); returns the round's record, with the
+    caller's ``notes`` and, given the ``time.perf_counter()`` at which the round began, its wall
+    time (the record is whole in the global's folder, so a re-run after a kill between writing
+    the global and recording it records the same). With
     ``plan.aggregators`` = S > 1 the tensors are split into S parts by bytes, each aggregated on
     its own (``aggregate_part``: every tensor's merge and outer step are per tensor, so the split
     is exact), then assembled; a part already written (before a kill) is not redone."""
     for s in range(plan.aggregators):
         aggregate_part(plan, r, workers, s, device, block_mb)
-    return assemble_round(plan, r, workers)
+    return assemble_round(plan, r, workers, notes, began)
 
 
 def parts_dir(plan: DilocoPlan, r: int) -> Path:
@@ -224,9 +233,12 @@ def aggregate_part(
     return record
 
 
-def assemble_round(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, Any]:
+def assemble_round(
+    plan: DilocoPlan, r: int, workers: list[int], notes: dict[str, Any] | None = None, began: float | None = None
+) -> dict[str, Any]:
     """``global/<r+1>`` from round r's parts (their files linked, one index over them), with the
-    round's record (the drift's Gram matrix summed over the parts) written in it last."""
+    round's record (the drift's Gram matrix summed over the parts, ``notes``, the wall time since
+    ``began``) written in it last."""
     folders = [parts_dir(plan, r) / str(s) for s in range(plan.aggregators)]
     manifests = [verify_checkpoint(folder) for folder in folders]
     parts = [json.loads((folder / PART).read_text()) for folder in folders]
@@ -247,7 +259,9 @@ def assemble_round(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, An
             if len(set(weight_map.values())) > 1:  # several files: the index transformers reads
                 write_index(tmp / sub, weight_map, sum(part["sizes"].get(sub, 0) for part in parts))
         copy_aux_files(theta.aux_files(), tmp)
-        record = _record(plan, r, workers, metas, theta, deltas, parts)
+        record = _record(plan, r, workers, metas, theta, deltas, parts) | (notes or {})
+        if began is not None:
+            record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
         write_json_atomic(tmp / "round.json", record)
         write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant)
     shutil.rmtree(parts_dir(plan, r), ignore_errors=True)
