@@ -25,6 +25,7 @@ from pipeline.bench.aggregators import fabricate_round
 from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
+from pipeline.diloco.aggregate import AsyncOuter
 from pipeline.diloco.compress import INT4_BLOCK, payload_infos
 from pipeline.diloco.plan import diloco_plan, plan_of, shards
 from pipeline.diloco.rounds import (
@@ -70,6 +71,31 @@ def test_the_outer_step_is_nesterov_sgd():
     assert torch.allclose(theta, expected) and torch.allclose(b, 0.9 * g1 + g2)
     plain = torch.tensor([1.0, 1.0])
     assert OuterSGD(lr=1.0, momentum=0.0).step(plain, g1, None) is None and torch.equal(plain, 1 - g1)
+
+
+@pytest.mark.parametrize("outer", [OuterSGD(lr=0.7, momentum=0.9), OuterSGD(lr=0.7, momentum=0.9, nesterov=False)])
+def test_async_arrivals_of_one_global_in_turn_are_a_synchronous_round(outer):
+    """Delayed Nesterov: R payloads taken from the same global and applied one at a time (a plain
+    step each, the momentum once per R) move θ as one synchronous round of their average."""
+    torch.manual_seed(0)
+    theta = {"w": torch.randn(4, 3), "b": torch.randn(5)}
+    sync, arrivals = {n: t.clone() for n, t in theta.items()}, {n: t.clone() for n, t in theta.items()}
+    momentum, applied = {}, AsyncOuter(arrivals, outer, window=3)
+    for _ in range(3):
+        workers = [{n: t + 0.1 * torch.randn_like(t) for n, t in sync.items()} for _ in range(3)]
+        deltas = [{n: sync[n] - w for n, w in worker.items()} for worker in workers]
+        aggregate(sync, workers, [1, 1, 1], [Rule(pattern="*", method="weighted_average")], outer, momentum)
+        assert [applied.apply(d, tokens=5.0) for d in deltas] == pytest.approx([1 / 3] * 3)
+        for name in theta:
+            assert torch.allclose(arrivals[name], sync[name], atol=1e-6), name
+    assert applied.momentum.keys() == momentum.keys()
+
+
+def test_an_async_payload_weighs_its_tokens_against_the_mean_payload():
+    outer = AsyncOuter({"w": torch.zeros(2)}, OuterSGD(lr=1.0, momentum=0.0), window=2)
+    assert outer.apply({"w": torch.ones(2)}, tokens=100) == pytest.approx(0.5)
+    assert outer.apply({"w": torch.ones(2)}, tokens=50) == pytest.approx(50 * 2 / (2 * 150))  # mean 75
+    assert torch.allclose(outer.theta["w"], torch.full((2,), -(0.5 + 1 / 3)))
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (13,), (3, 4, 2), ()])

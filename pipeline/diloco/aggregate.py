@@ -1,5 +1,6 @@
-"""One outer round in memory: the workers' pseudo-gradients, compressed as they would be sent,
-aggregated by the merge library's per-tensor methods, then the outer step.
+"""The outer step in memory: one synchronous round (the workers' pseudo-gradients, compressed as
+they would be sent, aggregated by the merge library's per-tensor methods, then the outer step),
+or asynchronous arrivals one at a time (``AsyncOuter``: delayed Nesterov).
 
 The same functions as the run-directory rounds (:mod:`pipeline.diloco.rounds`), for benchmarks
 and notebooks where the workers live in one process.
@@ -55,3 +56,41 @@ def aggregate(
         meter.add([d[name] for d in deltas])
     outer.step_all(theta, merge_state_dicts(deltas, weights, rules, seed=seed), momentum)
     return RoundStats(sent, meter.norms(), meter.mean_cosine())
+
+
+def arrival_weight(tokens: float, count: int, tokens_seen: float, window: int) -> float:
+    """An asynchronous payload's weight: its tokens over ``window`` times the mean tokens of the
+    ``count`` payloads applied so far (this one included, ``tokens_seen`` in all). A window of
+    payloads of equal tokens weighs 1 in all, as a synchronous round's weights do; with dynamic
+    local steps a slow worker's shorter payload weighs less, by the tokens it trained on."""
+    return tokens * count / (window * tokens_seen)
+
+
+class AsyncOuter:
+    """Asynchronous outer optimisation of ``theta`` (fp32, in place): each worker's Δ_i, taken
+    from whatever global it started from, is applied when it arrives (θ ← θ − η w_i Δ_i), and the
+    momentum takes the sum of every ``window`` arrivals (delayed Nesterov, ``OuterSGD``'s
+    ``momentum_step``). With ``window`` = R and the R payloads of a round arriving in turn from
+    the same global, R arrivals give exactly one synchronous round of weighted averaging."""
+
+    def __init__(self, theta: dict[str, torch.Tensor], outer: OuterSGD, window: int):
+        self.theta, self.outer, self.window = theta, outer, window
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, torch.Tensor] = {}  # Σ w_i Δ_i of the open window
+        self.count, self.tokens_seen = 0, 0.0
+
+    def apply(self, delta: dict[str, torch.Tensor], tokens: float = 1.0) -> float:
+        """Apply one arrival; returns its weight."""
+        self.count, self.tokens_seen = self.count + 1, self.tokens_seen + tokens
+        weight = arrival_weight(tokens, self.count, self.tokens_seen, self.window)
+        for name, d in delta.items():
+            g = d.float() * weight
+            self.theta[name].sub_(g, alpha=self.outer.lr)
+            self.pending[name] = self.pending[name].add_(g) if name in self.pending else g
+        if self.count % self.window == 0:
+            for name, g in self.pending.items():
+                buffer = self.outer.momentum_step(self.theta[name], g, self.momentum.get(name))
+                if buffer is not None:
+                    self.momentum[name] = buffer
+            self.pending = {}
+        return weight

@@ -6,6 +6,13 @@
 g is the round's aggregate of Δ_k = θ − θ_k (DiLoCo, Douillard et al. 2023). With μ = 0 and η = 1 the step
 sets θ to the aggregate of the workers' weights (plain averaging). The momentum buffers are
 the optimizer's whole state: fp32, one per trained tensor, saved with every round.
+
+A step is a plain step θ ← θ − η g and then the momentum's share, θ ← θ − η μ b (Nesterov,
+with b already updated) or θ ← θ − η μ b_old (heavy ball). Asynchronous training applies the
+two apart (delayed Nesterov, Liu et al. 2024, arXiv 2401.09135): each worker's payload g_i is a
+plain step as it arrives, and every N arrivals the momentum takes their sum Σ g_i, so that N
+arrivals of one window move θ exactly as one synchronous step of their aggregate would, and no
+single stale payload is amplified by the momentum.
 """
 
 from __future__ import annotations
@@ -28,13 +35,23 @@ class OuterSGD(BaseModel):
     def step(self, theta: torch.Tensor, g: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor | None:
         """Update ``theta`` (fp32) in place with the aggregate ``g``; returns the new momentum
         buffer (``buffer`` updated in place, a new one on the first step, None without momentum)."""
+        theta.sub_(g, alpha=self.lr)
+        return self.momentum_step(theta, g, buffer)
+
+    def momentum_step(self, theta: torch.Tensor, g: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        """The momentum's share of a step whose plain part θ ← θ − η g was taken already (at once,
+        or payload by payload as they arrived: ``g`` is then the window's sum); returns the new
+        buffer (``buffer`` updated in place, a new one on the first step, None without momentum)."""
         if not self.momentum:
-            theta.sub_(g, alpha=self.lr)
             return None
-        buffer = g.clone() if buffer is None else buffer.mul_(self.momentum).add_(g)
-        update = g.add(buffer, alpha=self.momentum) if self.nesterov else buffer
-        theta.sub_(update, alpha=self.lr)
-        return buffer
+        if self.nesterov:
+            buffer = g.clone() if buffer is None else buffer.mul_(self.momentum).add_(g)
+            theta.sub_(buffer, alpha=self.lr * self.momentum)
+            return buffer
+        if buffer is None:
+            return g.clone()
+        theta.sub_(buffer, alpha=self.lr * self.momentum)
+        return buffer.mul_(self.momentum).add_(g)
 
     def step_all(
         self, theta: dict[str, torch.Tensor], g: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor]
