@@ -10,11 +10,13 @@ weights exist; the workers resume their inner state from their own checkpoints.
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from prefect import flow
@@ -27,6 +29,8 @@ from flows.merit import evaluate_and_report, start
 from flows.report import artifact_key
 from pipeline.checkpoint import MANIFEST
 from pipeline.config import DilocoMethod, RunConfig
+from pipeline.diloco.asynchronous import Arrival, apply_arrival, arrivals, closes_window, next_arrival, save_arrivals
+from pipeline.diloco.asynchronous import retire as retire_arrivals
 from pipeline.diloco.plan import DilocoPlan, diloco_plan, worker_name
 from pipeline.diloco.rounds import (
     POLL_S,
@@ -67,6 +71,7 @@ class Workers:
         self.ended: queue.Queue[int] = queue.Queue()
         self.futures: dict[int, PrefectFuture] = {}
         self.failures: dict[int, str] = {}
+        self.running: set[int] = set()
         for k in range(plan.size):
             self.start(k)
 
@@ -79,11 +84,13 @@ class Workers:
         future.add_done_callback(lambda _, k=k: self.ended.put(k))
         self.futures[k] = future
         self.failures.pop(k, None)
+        self.running.add(k)
 
     def collect(self) -> None:
-        """Note the workers that ended with an error."""
+        """Note the workers that ended, and those that ended with an error."""
         while not self.ended.empty():
             k = self.ended.get()
+            self.running.discard(k)
             try:
                 self.futures[k].result()
             except Exception as err:
@@ -121,15 +128,19 @@ class Evaluator:
         with self.lock:
             save_record(self.plan, record)
 
-    def submit(self, r: int) -> None:
-        """Evaluate global r + 1 if due."""
-        every, rounds = self.cfg.diloco.eval_every, r + 1
-        if rounds == self.plan.rounds or (every > 0 and rounds % every == 0):
+    def submit(self, r: int, last: bool = False) -> None:
+        """Evaluate global r + 1 if due: every ``eval_every`` rounds (async: R arrivals each), and
+        the run's ``last``."""
+        per_round = self.plan.size if self.plan.sync == "async" else 1
+        every, done = self.cfg.diloco.eval_every * per_round, r + 1
+        if (last or done == self.plan.final or (every > 0 and done % every == 0)) and r not in self.pending:
             self.pending[r] = self.pool.submit(self._evaluate, r)
 
-    def wait(self, r: int) -> None:
-        if (future := self.pending.get(r)) is not None:
-            future.result()
+    def wait_before(self, v: int) -> None:
+        """Wait for the evaluations of the globals older than v (about to be deleted)."""
+        for r, future in list(self.pending.items()):
+            if r + 1 < v:
+                future.result()
 
     def finish(self) -> None:
         self.pool.shutdown(wait=True)
@@ -151,22 +162,33 @@ def run_rounds(cfg: RunConfig, run_dir: str, method: DilocoMethod) -> None:
     plan = diloco_plan(cfg, run_dir, method)
     plan.fix()
     done, log = rounds_done(plan), get_run_logger()
-    if done >= plan.rounds:
+    if done >= plan.final:
         return
-    log.info(f"DiLoCo {plan.variant}: {plan.size} workers, {plan.rounds} rounds of {plan.inner_steps} steps")
+    log.info(
+        f"DiLoCo {plan.variant}: {plan.size} workers, {plan.rounds} rounds of {plan.inner_steps} steps, {plan.sync}"
+    )
     key = artifact_key(cfg.run.name, plan.variant, "rounds")
-    progress = create_progress_artifact(100.0 * done / plan.rounds, key=key, description=plan.variant)
+    progress = create_progress_artifact(100.0 * done / plan.final, key=key, description=plan.variant)
     evaluator = Evaluator(cfg, run_dir, plan)
     if done:  # a flow killed between writing global `done` and recording it: finish that round's bookkeeping
         recover(plan, done - 1)
+        if plan.sync == "async":
+            retire_arrivals(plan, done - 1, arrivals(plan))
+        else:
+            retire(plan, done - 1)
+    if cfg.diloco.replay and not arrivals(plan):
+        save_arrivals(plan, replayed(cfg.diloco.replay, plan))
     abort(plan, None)
     workers = Workers(cfg, run_dir, plan)
+    step = arrive if plan.sync == "async" else aggregate
     try:
         with _cpu_shared_with_workers(cfg):
             began = time.perf_counter()
-            for r in range(done, plan.rounds):
-                began = aggregate(cfg, plan, workers, evaluator, r, began)
-                update_progress_artifact(progress, 100.0 * (r + 1) / plan.rounds)
+            for r in range(done, plan.final):
+                if (began := step(cfg, plan, workers, evaluator, r, began)) is None:
+                    evaluator.submit(r - 1, last=True)  # every worker ended before its last payload
+                    break
+                update_progress_artifact(progress, 100.0 * (r + 1) / plan.final)
     except BaseException as err:
         # The workers wait for the next global weights: tell them none will come, or they would
         # hold their machines until train.timeout_s.
@@ -199,13 +221,59 @@ def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Eva
         get_run_logger().warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")
     if record["stragglers"]:
         get_run_logger().info(f"DiLoCo {plan.variant} round {r}: stragglers {record['stragglers']} left out")
-    evaluator.wait(r - 2)  # its global, r - 1, is about to go
+    evaluator.wait_before(r)  # global r - 1 is about to go
     retire(plan, r)
     evaluator.submit(r)
     for k in dropped:  # back for the next round, from their last checkpoint
         workers.start(k)
     get_run_logger().info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
     return ended
+
+
+def arrive(
+    cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Evaluator, v: int, began: float
+) -> float | None:
+    """Async: arrival v once a payload is in (the recorded one when replaying): apply it, record
+    it; returns when it ended, or None when every worker has ended and no payload is left."""
+    schedule = arrivals(plan)
+    while (arrival := next_arrival(plan, schedule[:v])) is None:
+        workers.collect()
+        if not workers.running:  # ended: a payload published just before the end is there now
+            if (arrival := next_arrival(plan, schedule[:v])) is None:
+                return None
+            break
+        time.sleep(POLL_S)
+    if len(schedule) == v:  # recorded before the global it leads to: a re-run applies the same
+        schedule.append(arrival)
+        save_arrivals(plan, schedule)
+    failed = {k: why for k, why in workers.failures.items() if k not in workers.running}
+    notes = {"dropped": sorted(failed), "failures": {str(k): why for k, why in failed.items()}, "stragglers": []}
+    record = apply_arrival(plan, v, schedule, cfg.merge.device, notes, began)
+    ended = time.perf_counter()
+    evaluator.save(record)
+    evaluator.wait_before(v)  # globals older than v may go
+    retire_arrivals(plan, v, schedule)
+    evaluator.submit(v)
+    if closes_window(plan, v):
+        for k in failed if workers.running else []:  # back from their last checkpoint, as in sync mode
+            workers.start(k)
+        log = get_run_logger()
+        log.info(
+            f"DiLoCo {plan.variant}: {v + 1}/{plan.final} arrivals (worker {arrival.worker}, {arrival.steps} steps)"
+        )
+    return ended
+
+
+def replayed(path: str, plan: DilocoPlan) -> list[Arrival]:
+    """An earlier run's arrivals, to replay (``diloco.replay``): they must name this run's workers."""
+    source = Path(path)
+    try:
+        items = [Arrival.model_validate(a) for a in json.loads(source.read_text())]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"diloco.replay: {source}: not an arrivals.json of a DiLoCo async run ({err})") from err
+    if any(a.worker >= plan.size for a in items):
+        raise ValueError(f"diloco.replay: {source} names workers beyond the {plan.size} of this run")
+    return items
 
 
 @contextlib.contextmanager

@@ -318,10 +318,18 @@ class DilocoSection(Section):
     min_workers: int = Field(1, ge=1)  # a round aggregates at least this many workers, else the run fails
     # sync: a round waits for every worker (or its failure); quorum: it aggregates once `quorum`
     # workers have sent, or `round_timeout_s` after the first payload; the others are stragglers,
-    # their late payload dropped, and they join the newest global with their own inner state.
-    sync: Literal["sync", "quorum"] = "sync"
+    # their late payload dropped, and they join the newest global with their own inner state;
+    # async: each payload is applied as it arrives (delayed Nesterov: the momentum once every R
+    # arrivals) and its worker goes on from the newest global; each worker sends T payloads.
+    sync: Literal["sync", "quorum", "async"] = "sync"
     quorum: int | None = Field(None, ge=1)  # quorum mode: workers a round waits for (default R)
     round_timeout_s: float | None = Field(None, gt=0)  # quorum mode: seconds after a round's first payload
+    # async: a worker's local steps scaled to its measured speed against the fastest worker's
+    # (H for the fastest), so that the workers send at about the same cadence.
+    dynamic_steps: bool = True
+    # async: an earlier run's diloco/<variant>/arrivals.json, to apply the same payloads in the
+    # same order (trained from the same globals, for the same steps): the same weights.
+    replay: str | None = None
     # A worker made k times slower (a CPU share of 1/k: it sleeps (k − 1) × each inner step's time
     # after the step), to rehearse stragglers on equal machines; by worker index.
     slow_workers: dict[int, float] = {}
@@ -343,6 +351,24 @@ class DilocoSection(Section):
             raise ValueError("diloco.groups is required for shards 'given' and only for it")
         if self.sync != "quorum" and (self.quorum is not None or self.round_timeout_s is not None):
             raise ValueError("diloco.quorum and diloco.round_timeout_s are for diloco.sync: quorum")
+        if self.sync == "async":
+            nonlinear = [
+                (m.name, rule.method)
+                for m in self.methods
+                for rule in m.effective_rules
+                if not get_method(rule.method).is_linear
+            ]
+            if nonlinear:
+                name, method = nonlinear[0]
+                raise ValueError(
+                    f"diloco method '{name}': {method} combines several payloads at once; diloco.sync: async "
+                    "applies each payload as it arrives, so its aggregate must be linear (weighted_average, "
+                    "task_arithmetic): use sync or quorum for it"
+                )
+            if self.aggregators != 1:
+                raise ValueError("diloco.aggregators splits a round of R payloads; diloco.sync: async applies one")
+        elif self.replay is not None:
+            raise ValueError("diloco.replay replays the arrivals of diloco.sync: async")
         if any(f < 1 for f in self.slow_workers.values()):
             raise ValueError(f"diloco.slow_workers: factors are ≥ 1 (times slower), got {self.slow_workers}")
         if self.groups is not None and self.workers not in (None, len(self.groups)):

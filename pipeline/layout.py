@@ -116,10 +116,16 @@ def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
 
 def diloco_finals(run_dir: str | Path) -> dict[str, Path]:
     """The last global weights of every DiLoCo variant the run directory holds, by variant name
-    (``<method>-<shards>``): the folder its plan says the run ends in."""
+    (``<method>-<shards>``): the folder its plan says the run ends in (T rounds; async: R·T
+    arrivals, or the newest global when a worker failed for good before sending its last)."""
     finals = {}
-    for plan in sorted((Path(run_dir) / DILOCO).glob(f"*/{DILOCO_PLAN}")):
-        finals[plan.parent.name] = plan.parent / "global" / str(json.loads(plan.read_text())["rounds"])
+    for path in sorted((Path(run_dir) / DILOCO).glob(f"*/{DILOCO_PLAN}")):
+        plan, folder = json.loads(path.read_text()), path.parent / "global"
+        last = plan["rounds"]
+        if plan.get("sync") == "async":
+            written = [int(p.name) for p in folder.glob("*") if p.name.isdigit() and (p / "manifest.json").is_file()]
+            last = min(last * len(plan["workers"]), max(written, default=last * len(plan["workers"])))
+        finals[path.parent.name] = folder / str(last)
     return finals
 
 

@@ -276,6 +276,55 @@ def test_in_quorum_mode_a_slow_worker_does_not_hold_the_rounds(prefect_api, tmp_
     assert "stragglers [1] left out by the quorum" in report and "| quorum |" in report
 
 
+ASYNC = ["diloco.sync=async", "diloco.slow_workers={1: 8}", "diloco.inner_steps=4", "diloco.rounds=3"]
+
+
+def test_in_async_mode_payloads_apply_as_they_arrive_and_a_slow_worker_trains_fewer_steps(prefect_api, tmp_path):
+    """Worker 1 runs 8× slower: neither waits for the other, worker 1's payloads after its first
+    are shorter (dynamic local steps) and older (staleness), and the momentum steps once every R
+    arrivals. A second run given the first's arrivals (diloco.replay), killed after its second
+    global and re-run, ends with the same weights."""
+    whole = tmp_path / "whole"
+    state = run_flow(whole, AVERAGE, *NESTEROV_INT4, *ASYNC)
+    assert state.is_completed(), state.message
+    folder = whole / "diloco" / "avg-iid"
+    records = json.loads((folder / "rounds.json").read_text())
+    order = json.loads((folder / "arrivals.json").read_text())
+    assert [(r["workers"][0], r["payload"], r["base"]) for r in records] == [
+        (a["worker"], a["payload"], a["base"]) for a in order
+    ]
+    assert sorted((a["worker"], a["payload"]) for a in order) == [(k, n) for k in range(2) for n in range(3)]
+    assert [r["window_closed"] for r in records] == [False, True] * 3
+    slow = [a for a in order if a["worker"] == 1]
+    assert slow[0]["steps"] == 4 and all(a["steps"] < 4 for a in slow[1:])  # measured 8× slower
+    assert all(a["steps"] == 4 for a in order if a["worker"] == 0)
+    assert all(r["staleness"] == r["round"] - r["base"] >= 0 for r in records)
+    assert not any((folder / "deltas").rglob("manifest.json"))  # every window closed: payloads retired
+    AutoModelForImageTextToText.from_pretrained(folder / "global" / "6")
+    report = (whole / "report" / "report.md").read_text()
+    assert "| async |" in report and "6/6 arrivals" in report
+
+    replay, cfg = tmp_path / "replay", [*OVERRIDES, AVERAGE, *NESTEROV_INT4, *ASYNC]
+    settings = [*cfg, f"diloco.replay={folder / 'arrivals.json'}"]
+    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
+    cli = [sys.executable, "-m", "pipeline.cli", "run", DEMO, "--run-dir", str(replay), "--flow", "diloco"]
+    proc = subprocess.Popen(
+        [*cli, *[a for s in settings for a in ("--set", s)]],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kill_when(replay / "diloco" / "avg-iid" / "global" / "2" / "manifest.json", proc)
+    assert not (replay / "diloco" / "avg-iid" / "global" / "6").exists()
+    assert run_flow(replay, AVERAGE, *NESTEROV_INT4, *ASYNC, settings[-1]).is_completed()
+    assert json.loads((replay / "diloco" / "avg-iid" / "arrivals.json").read_text()) == order
+    expected = global_weights(whole, "avg-iid", 6)
+    for name, tensor in global_weights(replay, "avg-iid", 6).items():
+        assert torch.allclose(tensor, expected[name], atol=1e-6), name
+
+
 def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers():
     def record(r, wall, inner, dropped=(), stragglers=()):
         seconds = {"wall": wall, "inner": inner, "aggregate": 0.5, "merge": 0.1, "launch": 9.0 if r == 0 else 0.0}

@@ -100,6 +100,9 @@ def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
         check_run(cfg, tmp_path / "run")
 
 
+AVG = "diloco.methods=[{name: avg, method: weighted_average}]"
+
+
 def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
     settings = ["train.deepspeed=configs/deepspeed/zero3.json", "diloco.shards=random", "diloco.workers=3"]
     cfg = load_config(ROOT / "configs/demo.yaml", [s.replace("configs/", f"{ROOT}/configs/") for s in settings])
@@ -107,6 +110,9 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
         check_run(cfg, tmp_path / "run", diloco=True)
     (line,) = str(err.value).splitlines()[1:]
     assert line.strip().startswith("diloco: ") and "uses ZeRO-3" in line and "3 workers is not a power of 2" in line
+    replay = load_config(ROOT / "configs/demo.yaml", ["diloco.sync=async", AVG, "diloco.replay=/no/arrivals.json"])
+    with pytest.raises(PreflightError, match="diloco.replay: /no/arrivals.json does not exist"):
+        check_run(replay, tmp_path / "run", diloco=True)
     assert "diloco" not in check_run(load_config(ROOT / "configs/demo.yaml"), tmp_path / "run")  # merit flow
     for bad, message in [
         (["diloco.shards=merit", "diloco.workers=4"], "merit shards are the split's K = 2 groups"),
@@ -116,6 +122,9 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
         (["diloco.sync=quorum", "diloco.quorum=3"], r"quorum \(3\) is between diloco.min_workers \(1\) and the 2"),
         (["diloco.slow_workers={2: 3}"], r"no worker \[2\] among the 2"),
         (["diloco.slow_workers={0: 0.5}"], "factors are ≥ 1"),
+        (["diloco.sync=async"], "'isoloco': iso_c combines several payloads at once"),
+        (["diloco.sync=async", f"{AVG}", "diloco.aggregators=2"], "diloco.sync: async applies one"),
+        (["diloco.replay=arrivals.json"], "replays the arrivals of diloco.sync: async"),
         (["diloco.methods=[{name: a, method: iso_c, outer_momentum: 1.0}]"], "outer_momentum"),
         (["diloco.methods=[{name: a, method: fisher}]"], "the fisher merge needs Fisher estimates"),
     ]:

@@ -16,7 +16,7 @@ def train_worker(
 ) -> dict[str, Any]:
     """Run worker k until its last round (resuming its inner state); nothing once the run is done."""
     spec = plan.workers[k]
-    if rounds_done(plan) >= plan.rounds:
+    if rounds_done(plan) >= plan.final:
         return {"name": spec.name, "seconds": 0.0}
     spec.validate_inputs()
     job = WorkerJob(plan=plan, index=k).save(Path(spec.out_dir) / "job.json")

@@ -46,21 +46,30 @@ class DilocoPlan(BaseModel):
     round_timeout_s: float | None = None
     slow_workers: dict[int, float] = {}
     aggregators: int = 1  # S parts of a round's tensors, aggregated apart
+    dynamic_steps: bool = True  # async: local steps scaled to each worker's speed
 
     @property
     def size(self) -> int:
         return len(self.workers)
 
+    @property
+    def final(self) -> int:
+        """The last global: T rounds, or in async R·T arrivals (a global each)."""
+        return self.rounds * self.size if self.sync == "async" else self.rounds
+
     def digest(self) -> str:
         """What the run's global weights depend on when every worker sends every round (not
-        ``min_workers``, how often it evaluates, the sync mode, the workers' speeds or the number
-        of aggregators: a run may resume in another mode)."""
+        ``min_workers``, how often it evaluates, sync or quorum mode, the workers' speeds or the
+        number of aggregators: a run may resume in another of these modes; async globals are
+        arrivals, not rounds, so async is in it)."""
         exclude = {"variant", "folder", "init", "workers", "sync", "quorum", "round_timeout_s", "slow_workers"}
-        exclude |= {"aggregators"}  # exact: the same weights whatever S
+        exclude |= {"aggregators", "dynamic_steps"}  # aggregators: exact, the same weights whatever S
         inputs = {
             **self.model_dump(mode="json", exclude=exclude),
             "workers": [w.digest() for w in self.workers],
         }
+        if self.sync == "async":  # globals are arrivals, not rounds: never resumed in another mode
+            inputs["async"] = {"dynamic_steps": self.dynamic_steps}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
     def fix(self) -> None:
@@ -135,6 +144,7 @@ def diloco_plan(cfg: RunConfig, run_dir: str | Path, method: DilocoMethod) -> Di
         round_timeout_s=d.round_timeout_s,
         slow_workers=d.slow_workers,
         aggregators=d.aggregators,
+        dynamic_steps=d.dynamic_steps,
     )
 
 
@@ -148,12 +158,15 @@ def plan_of(cfg: RunConfig, run_dir: str | Path, variant: str) -> DilocoPlan:
 
 def check_diloco(cfg: RunConfig, gpus: int) -> str:
     """What would stop a DiLoCo run after its start, checked before it: a ZeRO-3 DeepSpeed config
-    (workers set and read whole parameters: stages 0–2), random shards for R not a power of 2,
+    (workers set and read whole parameters: stages 0–2), an arrivals file to replay that is not
+    there, random shards for R not a power of 2,
     and R workers that do not fit this machine's GPUs (they all train at once)."""
     r, per, problems = cfg.diloco_workers, cfg.train.processes, []
     stage = json.loads(Path(cfg.train.deepspeed).read_text()).get("zero_optimization", {}).get("stage", 0)
     if stage == 3:
         problems.append(f"{cfg.train.deepspeed} uses ZeRO-3; DiLoCo workers support ZeRO stages 0-2")
+    if cfg.diloco.replay is not None and not Path(cfg.diloco.replay).is_file():
+        problems.append(f"diloco.replay: {cfg.diloco.replay} does not exist")
     if cfg.diloco.shards == "random" and r & (r - 1):
         problems.append(f"random shards split the sources in 2^r groups; {r} workers is not a power of 2")
     if gpus and not cfg.flow.branch_deployment and r * per > gpus:

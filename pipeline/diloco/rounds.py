@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -195,27 +196,8 @@ def aggregate_part(
     out_plan = {n: TensorInfo(i.shape, torch.float32 if n in mine else i.dtype) for n, i in kept.items()}
     momentum = {n: TensorInfo(i.shape, torch.float32) for n, i in out_plan.items() if n in mine}
     momentum = momentum if step.outer.momentum else {}
-    with staged_dir(folder) as tmp, contextlib.ExitStack() as stack:
-        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD, stem=stem))
-        state = (
-            stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem))
-            if momentum
-            else None
-        )
-        for name in writer.order:
-            if name not in mine:  # frozen: the same in every worker
-                writer.write(name, theta.get(name))
-                continue
-            value, buffer = step(name)
-            writer.write(name, value)
-            if state is not None:
-                state.write(name, buffer)
-        writer.close()
-        hashes, maps = dict(writer.sha256), {"": writer.weight_map}
-        if state is not None:
-            state.close()
-            hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
-            maps[OUTER] = state.weight_map
+    with staged_dir(folder) as tmp:
+        hashes, maps = write_stepped(tmp, theta, out_plan, mine, step, momentum, stem)
         payloads = sum(d.info[n].nbytes for d in step.deltas for n in d.info if n.split(SCALE_SUFFIX)[0] in mine)
         theta_bytes = sum(theta.info[n].nbytes for n in mine)
         record = {
@@ -231,6 +213,43 @@ def aggregate_part(
         write_json_atomic(tmp / PART, record)
         write_manifest(tmp, hashes, kind="diloco_part", round=r + 1, part=s, variant=plan.variant)
     return record
+
+
+def write_stepped(
+    tmp: Path,
+    theta: CheckpointReader,
+    out_plan: dict[str, TensorInfo],
+    stepped: set[str],
+    step: Callable[[str], tuple[torch.Tensor, torch.Tensor | None]],
+    momentum: dict[str, TensorInfo],
+    stem: str = "model",
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The tensors of ``out_plan`` streamed into ``tmp`` in shard order: those of ``stepped`` as
+    ``step(name)`` returns them, with the momentum buffer it returns into ``tmp/outer`` (planned
+    by ``momentum``; none when empty), the others as θ has them (frozen: the same in every
+    worker). Returns the files' sha256 and the weight map of each sub-folder."""
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD, stem=stem))
+        state = (
+            stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem))
+            if momentum
+            else None
+        )
+        for name in writer.order:
+            if name not in stepped:
+                writer.write(name, theta.get(name))
+                continue
+            value, buffer = step(name)
+            writer.write(name, value)
+            if state is not None:
+                state.write(name, buffer)
+        writer.close()
+        hashes, maps = dict(writer.sha256), {"": writer.weight_map}
+        if state is not None:
+            state.close()
+            hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
+            maps[OUTER] = state.weight_map
+    return hashes, maps
 
 
 def assemble_round(
@@ -279,7 +298,7 @@ class _RoundStep:
         for name in self.trained:
             if name not in self.theta.info:
                 raise MergeInputError(f"{self.deltas[0].path}: tensor {name} is not in {self.theta.path}")
-        self.outer, self.previous = outer_of(plan.method), _outer_state(plan, r)
+        self.outer, self.previous = outer_of(plan.method), outer_state(plan, r)
         self.weights, self.device, self.block_bytes = weights, device, block_mb << 20
         self.labels = [f"worker {k} round {r}" for k in workers]
         self.seed, self.rules = plan.workers[0].config.run.seed, plan.method.effective_rules
@@ -374,7 +393,7 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _outer_state(plan: DilocoPlan, r: int) -> CheckpointReader | None:
+def outer_state(plan: DilocoPlan, r: int) -> CheckpointReader | None:
     """The momentum buffers saved with global r (none at round 0 or without momentum)."""
     folder = global_dir(plan, r) / OUTER
     return CheckpointReader(folder) if r > 0 and folder.is_dir() else None
@@ -404,11 +423,10 @@ def link(src: Path, dst: Path) -> None:
 
 
 def recover(plan: DilocoPlan, r: int) -> None:
-    """Round r's bookkeeping after a kill between writing global r + 1 and recording it: the
-    record (kept in the global's folder) and the clean-up."""
+    """Round r's record after a kill between writing global r + 1 and recording it (the record is
+    kept in the global's folder); the clean-up is the caller's (``retire``)."""
     if all(x["round"] != r for x in records(plan)):
         save_record(plan, json.loads((global_dir(plan, r + 1) / "round.json").read_text()))
-    retire(plan, r)
 
 
 def retire(plan: DilocoPlan, r: int) -> None:

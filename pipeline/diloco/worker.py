@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 
 from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
+from pipeline.diloco.asynchronous import start_payload
 from pipeline.diloco.compress import compress_with_feedback, payload_infos
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.diloco.rounds import MAX_SHARD, POLL_S, Clock, aborted, delta_dir, global_dir, rounds_done, send
@@ -79,9 +80,18 @@ def agreed(value_of, rank: int):
     return value[0]
 
 
-def next_round(plan: DilocoPlan, r: int, timeout_s: float, rank: int) -> int:
-    """The round to train: every rank of the worker trains the same one."""
-    return agreed(lambda: wait_for_global(plan, r, timeout_s), rank)
+def begin_round(job: WorkerJob, n: int, speed: float | None, rank: int) -> tuple[int, int, int]:
+    """(round, base global, inner steps) of this worker's next payload, the same on every rank.
+    Synchronous: the next round whose global exists (the newest: a worker left out of rounds
+    joins the latest), trained from that global for H steps. Async: its n-th payload, from the
+    global and for the steps ``start_payload`` gives, once that global exists."""
+    plan, timeout_s = job.plan, job.spec.train.timeout_s
+    if plan.sync != "async":
+        r = agreed(lambda: wait_for_global(plan, n, timeout_s), rank)
+        return r, r, plan.inner_steps
+    base, steps = agreed(lambda: start_payload(plan, job.index, n, speed), rank)
+    agreed(lambda: wait_for_global(plan, base, timeout_s), rank)  # a replayed base may be still to come
+    return n, base, steps
 
 
 def payload_plan(params: dict[str, torch.nn.Parameter], compression: str) -> dict[str, TensorInfo]:
@@ -91,20 +101,22 @@ def payload_plan(params: dict[str, torch.nn.Parameter], compression: str) -> dic
 def write_payload(
     job: WorkerJob,
     r: int,
+    base: int,
     params: dict[str, torch.nn.Parameter],
     residual: dict | None,
     folder: Path,
     rank: int,
     **meta,
 ) -> dict | None:
-    """Δ of round r from the fp32 masters, compressed, into ``folder/delta`` (rank 0; the other
-    ranks take part in gathering the masters); returns the new error-feedback residual."""
+    """Δ of round r (async: the worker's r-th payload) against global ``base`` from the fp32
+    masters, compressed, into ``folder/delta`` (rank 0; the other ranks take part in gathering
+    the masters); returns the new error-feedback residual."""
     if rank != 0:
         for _ in masters(params):
             pass
         return None
     plan = job.plan
-    theta, kept = CheckpointReader(global_dir(plan, r)), ({} if residual is not None else None)
+    theta, kept = CheckpointReader(global_dir(plan, base)), ({} if residual is not None else None)
     with staged_dir(folder) as tmp:
         out = tmp / PAYLOAD
         out.mkdir()
@@ -118,7 +130,7 @@ def write_payload(
                 for key, tensor in payload.items():
                     writer.write(key, tensor)
             writer.close()
-        write_manifest(out, writer.sha256, kind="diloco_delta", round=r, worker=job.index, **meta)
+        write_manifest(out, writer.sha256, kind="diloco_delta", round=r, worker=job.index, base=base, **meta)
         if kept is not None:
             save_file(kept, tmp / RESIDUAL)
     return kept
@@ -134,9 +146,9 @@ def keep_residual(residual: dict | None, folder: Path, rank: int) -> None:
 
 def publish(job: WorkerJob, saved: Path | None, r: int, save_s: float = 0.0) -> None:
     """Publish the payload saved in checkpoint ``saved`` as round r's, unless it already is or the
-    round is over (the aggregator went on without this worker)."""
+    round is over (the aggregator went on without this worker; in async no round closes)."""
     source = saved / "diloco" / PAYLOAD if saved is not None else None
-    if source is None or not source.is_dir() or rounds_done(job.plan) > r:
+    if source is None or not source.is_dir() or (job.plan.sync != "async" and rounds_done(job.plan) > r):
         return
     if not is_complete(delta_dir(job.plan, r, job.index)):
         send(source, job.plan, r, job.index, save_s=save_s)
@@ -157,21 +169,23 @@ def main(job_path: str) -> None:
         for leftover in branch.checkpointer.folder.glob(".round*"):  # a payload a kill kept from its checkpoint
             shutil.rmtree(leftover, ignore_errors=True)
         publish(job, saved, branch.state.rounds - 1)  # saved before a kill, maybe not yet published
+    speed = None  # async: this worker's inner steps per second in its latest payload
     try:
         while branch.state.rounds < plan.rounds:
             clock = Clock()
-            r = next_round(plan, branch.state.rounds, branch.spec.train.timeout_s, rank)
+            r, base, steps = begin_round(job, branch.state.rounds, speed, rank)
             if r >= plan.rounds:  # a straggler left out of the last round: the run is over
                 break
             waited = clock.lap()
-            if r > 0:
-                set_weights(params, str(global_dir(plan, r)))
+            if base > 0 or branch.state.rounds > 0:
+                set_weights(params, str(global_dir(plan, base)))
             loaded, before = clock.lap(), branch.state
-            for _ in range(plan.inner_steps):
+            for _ in range(steps):
                 step = Clock()
                 branch.step()
                 time.sleep((slow - 1) * step.lap())  # a share of 1/slow of this machine's time
             seconds = {"wait": waited, "load": loaded, "inner": clock.lap(), "launch": launch_s}
+            speed = steps / seconds["inner"]
             meta = {
                 "tokens": branch.state.tokens_seen - before.tokens_seen,
                 "examples": branch.state.examples_seen - before.examples_seen,
@@ -179,12 +193,12 @@ def main(job_path: str) -> None:
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
             }
             pending = branch.checkpointer.folder / f".round{r}"
-            if agreed(lambda r=r: rounds_done(plan) > r, rank):
+            if plan.sync != "async" and agreed(lambda r=r: rounds_done(plan) > r, rank):
                 # A straggler: the round was aggregated without it (quorum mode) and its global may
                 # be gone; its Δ is dropped, its residual kept, and it joins the newest global.
                 keep_residual(residual, pending, rank)
             else:
-                residual = write_payload(job, r, params, residual, pending, rank, **meta)
+                residual = write_payload(job, r, base, params, residual, pending, rank, **meta)
             branch.state = replace(branch.state, rounds=r + 1)
             branch.checkpointer.save(branch.state, extra=lambda tag, pending=pending: _keep(pending, tag / "diloco"))
             branch.metrics.flush()

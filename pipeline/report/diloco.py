@@ -40,12 +40,16 @@ def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
 
 def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One variant in figures. Overhead: the share of a round's wall time that is not the slowest
-    worker's inner steps, over the rounds after the first (which starts the workers: launch).
+    worker's inner steps, over the rounds after the first (which starts the workers: launch);
+    async, where a record is one arrival: the share of the workers' time (R × wall) that is not
+    inner steps.
     Aggregation: the aggregator's whole time (IO, drift, merge, outer step); the merge: the
     aggregating method's own (e.g. Iso-C's)."""
-    records = run["records"]
+    records, asynchronous = run["records"], run["sync"] == "async"
     seconds = [r["seconds"] for r in records[1:] or records]
     wall = sum(s["wall"] for s in seconds)
+    # Async: the R workers train side by side, so the machine time to compare with is R × wall.
+    busy = run["workers"] * wall if asynchronous else wall
     sent = sum(r["bytes"]["sent"] for r in records)
     both_ways = sent + sum(r["bytes"]["received"] for r in records)
     data_parallel = sum(r["bytes"]["data_parallel"] for r in records)  # sent; a ring receives as much
@@ -58,7 +62,9 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "outer": run["outer"],
         "R": run["workers"],
         "H": run["inner_steps"],
-        "rounds": f"{len(records)}/{run['rounds']}",
+        "rounds": f"{len(records)}/{run['rounds'] * run['workers']} arrivals"
+        if asynchronous
+        else f"{len(records)}/{run['rounds']}",
         "sync": run["sync"],
         "heldout_loss": final,
         "vs_joint": None if final is None or joint is None else final - joint,
@@ -67,7 +73,7 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         "sent_per_worker_round": round(sent / max(sum(len(r["workers"]) for r in records), 1)),
         "read_per_aggregator_round": round(sum(r["bytes"].get("aggregator_read", 0) for r in records) / len(records)),
         "bytes_vs_data_parallel": both_ways / (2 * data_parallel) if data_parallel else None,
-        "overhead_pct": 100 * (1 - sum(s["inner"] for s in seconds) / wall) if wall > 0 else None,
+        "overhead_pct": 100 * (1 - sum(s["inner"] for s in seconds) / busy) if wall > 0 else None,
         "aggregation_pct": 100 * sum(s["aggregate"] for s in seconds) / wall if wall > 0 else None,
         "merge_pct": 100 * sum(s["merge"] for s in seconds) / wall if wall > 0 else None,
         "launch_s": max((r["seconds"].get("launch", 0.0) for r in records), default=0.0),

@@ -127,17 +127,18 @@ def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
         losses = [r["heldout_loss"] for r in evaluated]
         sent = np.cumsum([r["bytes"]["sent"] for r in records])
         wall = np.cumsum([r["seconds"]["wall"] for r in records])
-        axes[0, 0].plot([r["round"] + 1 for r in evaluated], losses, marker="o", ms=3, label=variant)
+        axes[0, 0].plot([outer_round(r) for r in evaluated], losses, marker="o", ms=3, label=variant)
         axes[0, 1].plot([wall[r["round"]] for r in evaluated], losses, marker="o", ms=3, label=variant)
         axes[0, 2].plot([sent[r["round"]] for r in evaluated], losses, marker="o", ms=3, label=variant)
-        axes[1, 0].plot([r["round"] + 1 for r in records], [r["mean_cosine"] for r in records], label=variant)
+        drift = [r for r in records if r["mean_cosine"] is not None]
+        axes[1, 0].plot([outer_round(r) for r in drift], [r["mean_cosine"] for r in drift], label=variant)
     variants = list(runs)
     shares = [round_time_shares(runs[v]) for v in variants]
     for part in shares[0]:
         axes[1, 1].bar(variants, [x[part] for x in shares], bottom=_stacked(axes[1, 1], len(variants)), label=part)
     axes[1, 2].axis("off")
     titles = [
-        ("round", "held-out loss", "Held-out loss of the global model"),
+        ("round (async: R arrivals)", "held-out loss", "Held-out loss of the global model"),
         ("wall seconds (cumulative, from the first round)", "held-out loss", "Loss against wall time"),
         ("bytes sent by the workers (cumulative)", "held-out loss", "Loss against communication"),
         ("round", "mean pairwise cosine of Δ_k", "Worker drift"),
@@ -153,6 +154,11 @@ def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
+def outer_round(record: dict) -> float:
+    """Where a record lies in rounds: a synchronous round's number, an async arrival's R-th."""
+    return record.get("outer_round", record["round"] + 1)
+
+
 def _stacked(ax: plt.Axes, n: int) -> np.ndarray:
     """The tops of the bars already on ``ax``: where the next stack segment starts."""
     tops = np.zeros(n)
@@ -163,9 +169,10 @@ def _stacked(ax: plt.Axes, n: int) -> np.ndarray:
 
 def round_time_shares(records: list[dict]) -> dict[str, float]:
     """% of the rounds' wall time in each part of a round, over the rounds after the first (whose
-    wall time includes starting the workers)."""
+    wall time includes starting the workers). Async records are arrivals of R workers training
+    side by side (R is the momentum ``window``): % of the R machines' time."""
     s = [r["seconds"] for r in records[1:] or records]
-    total = sum(x["wall"] for x in s) or 1.0
+    total = sum(x["wall"] for x in s) * records[-1].get("window", 1) or 1.0
     parts = {
         "inner steps": sum(x["inner"] for x in s),
         "worker IO": sum(x["worker_io"] for x in s),
