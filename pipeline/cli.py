@@ -207,6 +207,12 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import importlib
 
+    if args.what == "diloco":
+        if args.methods is None:
+            args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
+        if args.slow:  # stragglers: the workers as processes, sync modes compared in wall time
+            importlib.import_module("pipeline.bench.stragglers").main(args)
+            return
     importlib.import_module(f"pipeline.bench.{args.what}").main(args)
 
 
@@ -352,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         choices=["dp", "diloco", "isoloco", "average"],
-        default=["dp", "diloco", "isoloco", "average"],
-        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0)",
+        default=None,
+        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0); default: all four, "
+        "with --slow: diloco (--slow runs diloco and average)",
     )
     bench.add_argument(
         "--compression",
@@ -362,7 +369,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=["none"],
         help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
     )
-    bench.add_argument("--out", default="runs/bench-diloco", help="folder for results.json and loss.png")
+    bench.add_argument(
+        "--out",
+        default="runs/bench-diloco",
+        help="folder for results.json and loss.png (with --slow: stragglers-<method>.json and .png)",
+    )
+    bench.add_argument(
+        "--slow",
+        nargs="+",
+        metavar="K:F",
+        help="straggler bench: worker K runs F× slower; the R workers run as processes and the sync modes "
+        "(sync, quorum with drop or discount, async) are compared in wall time",
+    )
+    bench.add_argument("--quorum", type=int, help="with --slow: payloads a quorum round waits for (default R − 1)")
+    bench.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["sync", "quorum-drop", "quorum-discount", "async"],
+        default=["sync", "quorum-drop", "quorum-discount", "async"],
+        help="with --slow: the sync modes to run",
+    )
     bench = benches.add_parser("aggregators", help="bytes and seconds of a DiLoCo round's busiest aggregator: R × S")
     bench.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="numbers of workers R")
     bench.add_argument("--size", choices=["small", "medium", "3b"], default="small", help="θ0's widths")

@@ -1,7 +1,10 @@
 """``merit bench diloco``'s building blocks: the stdlib corpus and its file-level split, and one
 round of plain averaging, checked against the workers' weights averaged by hand; ``merit bench
-aggregators``' bytes against their arithmetic."""
+aggregators``' bytes against their arithmetic; ``merit bench diloco --slow``'s sync modes with a
+really slow worker process."""
 
+import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +84,115 @@ def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_
     assert read[1] == pytest.approx(6 * payload, rel=0.02)
     assert 0.5 * read[1] <= read[2] <= 0.6 * read[1]
     assert not any(tmp_path.iterdir())  # θ0 and the payloads went with the bench
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A few kB of stdlib code in files named so that one is held out: a bench in seconds."""
+    import sysconfig
+    import zlib
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = b"".join((stdlib / name).read_bytes() for name in ["bisect.py", "colorsys.py", "keyword.py"])
+    names = [f"m{i}.py" for i in range(200)]
+    held = next(n for n in names if zlib.crc32(n.encode()) % 20 == 0)
+    for name in [n for n in names if zlib.crc32(n.encode()) % 20][:4]:
+        (root / name).write_bytes(text[:6000])
+    (root / held).write_bytes(text[6000:8500])
+    return load_corpus(root)
+
+
+def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_process(small_corpus):
+    """R = 2 worker processes, worker 1 3× slower in wall time (it sleeps twice each step's time).
+    The margins are by construction. Quorum of 1, H = 1, T = 8: sync waits for 8 slowed steps; a
+    quorum round for worker 0 alone, one fast step and the round's messages and outer step, so the
+    slow worker's first payload (one slowed step, about 3 such rounds: measured at round 3 of 8 on
+    2 busy cores) arrives late. Async, H = 3, T = 3: its slow worker trains H + T − 1 = 5 slowed
+    steps (DyLU: 1 a payload after its first) against sync's T·H = 9."""
+    from pipeline.bench.stragglers import Pool, Setting, run_bench
+
+    R, T = 2, 8
+    with Pool(small_corpus.train, small_corpus.heldout, R) as pool:
+        quorum = Setting(workers=R, inner_steps=1, rounds=T, slow={1: 3.0}, quorum=1)
+        modes = run_bench(small_corpus, quorum, ["quorum-discount", "sync", "quorum-drop"], pool)["modes"]
+        H, T_async = 3, 3
+        dylu = Setting(workers=R, inner_steps=H, rounds=T_async, slow={1: 3.0}, quorum=1)
+        timed = run_bench(small_corpus, dylu, ["async", "sync"], pool)["modes"]
+    assert list(modes) == ["sync", "quorum-drop", "quorum-discount"] and list(timed) == ["sync", "async"]
+    for mode, r in [*modes.items(), *timed.items()]:
+        assert math.isfinite(r["final_loss"]), mode
+        assert r["curve"][0]["seconds"] == 0 and r["curve"][-1]["seconds"] == r["wall_seconds"]
+    for runs in (modes, timed):
+        for r in runs.values():
+            at_sync = [c["loss"] for c in r["curve"] if c["seconds"] <= runs["sync"]["wall_seconds"]][-1]
+            assert r["loss_at_sync_wall"] == at_sync
+    payload = 4 * sum(p.numel() for p in tiny_qwen2().parameters())
+
+    sync = modes["sync"]
+    assert [(r["aggregated"], r["stragglers"]) for r in sync["rounds"]] == [([0, 1], [])] * T
+    assert [w["applied"] for w in sync["workers"]] == [T, T] and sync["bytes_sent"] == R * T * payload
+
+    for mode in ("quorum-drop", "quorum-discount"):
+        rounds = modes[mode]["rounds"]
+        assert [(r["aggregated"], r["stragglers"]) for r in rounds] == [([0], [1])] * T, mode
+        assert modes[mode]["workers"][1]["payloads"] >= 1, mode  # late, but it came
+        assert modes[mode]["wall_seconds"] < sync["wall_seconds"], mode
+
+    drop = modes["quorum-drop"]
+    assert not any(r["late_applied"] for r in drop["rounds"])
+    assert drop["workers"][1]["applied"] == 0 and drop["workers"][1]["dropped"] >= 1
+    assert sum(len(r["late_dropped"]) for r in drop["rounds"]) >= 1
+    assert drop["workers"][1]["bytes_sent"] == 0  # it saw the global move on and sent no Δ
+
+    discount = modes["quorum-discount"]
+    late = [(r, x) for r in discount["rounds"] for x in r["late_applied"]]
+    assert late and discount["workers"][1]["applied"] == len(late)
+    for r, x in late:
+        assert x["worker"] == 1 and x["staleness"] >= 1 and x["factor"] == pytest.approx(1 / (1 + x["staleness"]))
+        f = x["factor"]  # the payloads have equal tokens: weights 1 and f, renormalised
+        assert r["weights"] == pytest.approx([1 / (1 + f), f / (1 + f)])
+
+    asynchronous = timed["async"]
+    assert len(asynchronous["arrivals"]) == R * T_async
+    assert [w["applied"] for w in asynchronous["workers"]] == [T_async, T_async]
+    fast, slow = (w["steps_per_payload"] for w in asynchronous["workers"])
+    assert fast[0] == slow[0] == H and sum(slow[1:]) < sum(fast[1:])  # DyLU
+    assert asynchronous["wall_seconds"] < timed["sync"]["wall_seconds"]
+
+
+def test_dylu_steps_follow_the_measured_speeds():
+    from pipeline.bench.stragglers import dylu_steps
+
+    assert dylu_steps(30, {}, 0) == 30  # not measured yet
+    speeds = {0: 10.0, 1: 10 / 3, 2: 0.1}
+    assert [dylu_steps(30, speeds, k) for k in (0, 1, 2, 3)] == [30, 10, 1, 30]
+
+
+def test_a_worker_failure_surfaces_with_its_traceback_and_no_process_outlives_the_pool(small_corpus):
+    from pipeline.bench.stragglers import Pool, WorkerFailed
+
+    with (
+        pytest.raises(WorkerFailed, match="unknown message 'nonsense'") as failure,
+        Pool(small_corpus.train, small_corpus.heldout, 2) as pool,
+    ):
+        pool.send(1, "nonsense")
+        pool.receive()
+    assert "worker 1 failed" in str(failure.value) and "Traceback" in str(failure.value)
+    assert not any(p.is_alive() for p in pool.processes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "isoloco"], "Iso-C aggregates several payloads at once"),
+        (["--workers", "4", "--slow", "4:3"], "worker 4 is not one of the 4 workers"),
+        (["--quorum", "5"], "--quorum 5"),
+    ],
+)
+def test_the_straggler_bench_refuses_what_it_cannot_run(argv, message):
+    from pipeline.cli import main
+
+    argv = ["bench", "diloco", "--slow", "1:3", *argv] if "--slow" not in argv else ["bench", "diloco", *argv]
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
