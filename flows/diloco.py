@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import prefect.runtime
 import torch
 from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -25,19 +26,21 @@ from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from flows import tasks
+from flows.heartbeat import heartbeat
 from flows.merit import evaluate_and_report, start
 from flows.report import artifact_key
 from pipeline.checkpoint import MANIFEST
 from pipeline.config import DilocoMethod, RunConfig
 from pipeline.diloco.asynchronous import Arrival, apply_arrival, arrivals, closes_window, next_arrival, save_arrivals
 from pipeline.diloco.asynchronous import retire as retire_arrivals
-from pipeline.diloco.plan import DilocoPlan, diloco_plan, worker_name
+from pipeline.diloco.plan import DilocoPlan, diloco_plan, plan_of, worker_name
 from pipeline.diloco.rounds import (
     POLL_S,
     abort,
     aggregate_round,
     delta_dir,
     global_dir,
+    part_beat_dir,
     records,
     recover,
     retire,
@@ -214,7 +217,9 @@ def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Eva
         # from an older global would need that global kept and a staleness rule).
         "stragglers": [k for k in range(plan.size) if k not in sent and k not in dropped],
     }
-    record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb, notes, began)
+    if plan.aggregators > 1:
+        aggregate_parts(cfg, plan, r, sent)
+    record = aggregate_round(plan, r, sent, cfg.merge.device, cfg.merge.block_mb, notes, began)  # parts: assembled
     ended = time.perf_counter()
     evaluator.save(record)
     if dropped:
@@ -228,6 +233,32 @@ def aggregate(cfg: RunConfig, plan: DilocoPlan, workers: Workers, evaluator: Eva
         workers.start(k)
     get_run_logger().info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
     return ended
+
+
+def aggregate_parts(cfg: RunConfig, plan: DilocoPlan, r: int, sent: list[int]) -> None:
+    """Round r's S parts at once: each a flow run of ``diloco.aggregator_deployment`` (a machine
+    of its pool each: every machine reads 1/S of the payloads), or a task of this flow (a thread
+    each, so S cores of this machine). A part whose machine is lost is run again by its retries."""
+    run_dir, deployment = plan.workers[0].run_dir, cfg.diloco.aggregator_deployment
+    retries = {"retries": cfg.flow.branch_retries, "retry_delay_seconds": cfg.flow.retry_delay_s}
+    futures = [
+        tasks.aggregate_part_remote.with_options(**retries).submit(deployment, run_dir, plan.variant, r, sent, s)
+        if deployment
+        else tasks.aggregate_part.submit(run_dir, plan.variant, r, sent, s)
+        for s in range(plan.aggregators)
+    ]
+    for future in futures:
+        future.result()
+
+
+@flow(name="diloco-part", log_prints=True)
+def part(run_dir: str, variant: str, r: int, workers: list[int], s: int) -> dict:
+    """Part s of round r of a DiLoCo variant on whatever machine runs this flow: the unit a diloco
+    run fans its aggregation out to when ``diloco.aggregator_deployment`` names this deployment."""
+    cfg = tasks.run_config(run_dir)
+    folder = part_beat_dir(plan_of(cfg, run_dir, variant), r, s)
+    with heartbeat(folder, str(prefect.runtime.flow_run.id), cfg.flow.heartbeat_s):
+        return tasks.aggregate_part(run_dir, variant, r, workers, s)
 
 
 def arrive(

@@ -107,28 +107,65 @@ def train_remote(deployment: str, run_dir: str, name: str) -> dict[str, Any]:
     machine of its work pool, and wait for it. A run that fails or crashes, or whose machine
     disappears (its heartbeat stops: ``flows.heartbeat``), raises, so this task's retries start a
     new run, which resumes from the checkpoints the last one left in the shared run directory."""
-    from prefect.deployments import run_deployment
-
-    from flows.heartbeat import claim, wait_for
     from pipeline.controls import control_of
     from pipeline.layout import training_dir
 
     cfg = run_config(run_dir)
-    folder, timeout_s = training_dir(run_dir, name), job_spec(cfg, run_dir, name).train.timeout_s
-    run = run_deployment(
+    run = run_remote(
         deployment,
-        parameters={"run_dir": run_dir, "name": name},
-        flow_run_name="-".join(filter(None, ["branch", control_of(run_dir), name])),  # branch-0, branch-random-0
-        timeout=0,
+        {"run_dir": run_dir, "name": name},
+        "-".join(filter(None, ["branch", control_of(run_dir), name])),  # branch-0, branch-random-0
+        training_dir(run_dir, name),
+        # The branch's own timeout (its launcher's) fires first; the watcher's is for a run that hangs.
+        job_spec(cfg, run_dir, name).train.timeout_s + cfg.flow.branch_stale_s,
+        cfg.flow.branch_stale_s,
     )
-    claim(folder, str(run.id))  # an earlier run of this branch, if still alive, stops at its next beat
-    # The branch's own timeout (its launcher's) fires first; the watcher's is for a run that hangs.
-    run = wait_for(run, folder, cfg.flow.branch_stale_s, timeout_s + cfg.flow.branch_stale_s)
+    return {"name": name, "flow_run": run}
+
+
+def run_remote(
+    deployment: str, parameters: dict[str, Any], name: str, folder: Path, timeout_s: float, stale_s: float
+) -> str:
+    """A flow run of ``deployment`` that beats its heartbeat into ``folder``, waited for; returns
+    its id, or raises when it fails, crashes or its machine is gone."""
+    from prefect.deployments import run_deployment
+
+    from flows.heartbeat import claim, wait_for
+
+    run = run_deployment(deployment, parameters=parameters, flow_run_name=name, timeout=0)
+    claim(folder, str(run.id))  # an earlier run of the same job, if still alive, stops at its next beat
+    run = wait_for(run, folder, stale_s, timeout_s)
     if not run.state.is_completed():
         raise RuntimeError(
-            f"branch {name}: flow run {run.name} of {deployment} ended {run.state.type.value}: {run.state.message}"
+            f"{name}: flow run {run.name} of {deployment} ended {run.state.type.value}: {run.state.message}"
         )
-    return {"name": name, "flow_run": str(run.id)}
+    return str(run.id)
+
+
+@task(name="aggregate-part", task_run_name="aggregate-{variant}-{r}-{s}")
+def aggregate_part(run_dir: str, variant: str, r: int, workers: list[int], s: int) -> dict[str, Any]:
+    """Part s of a DiLoCo round's aggregation (its share of the tensors); returns what it read."""
+    from pipeline.diloco.plan import plan_of
+    from pipeline.diloco.rounds import aggregate_part as aggregate
+
+    cfg = run_config(run_dir)
+    record = aggregate(plan_of(cfg, run_dir, variant), r, workers, s, cfg.merge.device, cfg.merge.block_mb)
+    return {"part": s, "read": record["read"], "seconds": record["seconds"]["aggregate"]}
+
+
+@task(name="aggregate-part-remote", task_run_name="aggregate-{variant}-{r}-{s}")
+def aggregate_part_remote(deployment: str, run_dir: str, variant: str, r: int, workers: list[int], s: int) -> str:
+    """Part s of a DiLoCo round as a flow run of ``deployment`` (a ``diloco-part`` deployment), on a
+    machine of its pool, watched by its heartbeat like a remote branch; returns the run's id."""
+    from pipeline.diloco.plan import plan_of
+    from pipeline.diloco.rounds import part_beat_dir
+
+    cfg = run_config(run_dir)
+    parameters = {"run_dir": run_dir, "variant": variant, "r": r, "workers": workers, "s": s}
+    folder = part_beat_dir(plan_of(cfg, run_dir, variant), r, s)
+    return run_remote(
+        deployment, parameters, f"part-{variant}/{r}/{s}", folder, cfg.train.timeout_s, cfg.flow.branch_stale_s
+    )
 
 
 @task(name="merge", task_run_name="merge-{name}")

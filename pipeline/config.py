@@ -336,6 +336,10 @@ class DilocoSection(Section):
     # S: a round's tensors split by bytes into S parts, each aggregated on its own (every payload
     # is read S ways: an aggregator reads 1/S of the bytes); exact, the same weights as S = 1.
     aggregators: int = Field(1, ge=1)
+    # A deployment of the diloco-part flow (prefect.yaml: diloco-part-local): each part of a round
+    # is a flow run of it, on a machine of its pool; without it the S parts run at once as threads
+    # of the diloco flow's process.
+    aggregator_deployment: str | None = None
     compression: Literal["none", "bf16", "int8", "int4"] = "none"  # of the pseudo-gradients the workers send
     error_feedback: bool = False  # a worker adds what compression dropped to its next round's Δ
     eval_every: int = Field(1, ge=0)  # held-out loss of the global model every n rounds (0: the last only)
@@ -369,6 +373,8 @@ class DilocoSection(Section):
                 raise ValueError("diloco.aggregators splits a round of R payloads; diloco.sync: async applies one")
         elif self.replay is not None:
             raise ValueError("diloco.replay replays the arrivals of diloco.sync: async")
+        if self.aggregator_deployment is not None and self.aggregators == 1:
+            raise ValueError("diloco.aggregator_deployment runs the parts of diloco.aggregators > 1")
         if any(f < 1 for f in self.slow_workers.values()):
             raise ValueError(f"diloco.slow_workers: factors are ≥ 1 (times slower), got {self.slow_workers}")
         if self.groups is not None and self.workers not in (None, len(self.groups)):

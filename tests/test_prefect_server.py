@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import is_complete
+from pipeline.merge import CheckpointReader
 from pipeline.train.launch import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -79,7 +80,8 @@ def server(tmp_path_factory):
             assert time.monotonic() < deadline, "the Prefect server did not start in 180 s"
             time.sleep(0.5)
         prefect(env, "work-pool", "create", "merit-local", "--type", "process")
-        prefect(env, "deploy", "--name", "demo", "--name", "diloco-demo", "--name", "branch-local")
+        deployments = ["demo", "diloco-demo", "branch-local", "diloco-part-local"]
+        prefect(env, "deploy", *[a for name in deployments for a in ("--name", name)])
         yield env
     finally:
         stop_process_group(proc)
@@ -121,9 +123,10 @@ FINISHED = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
 def start_worker(server: dict, log: Path) -> subprocess.Popen:
-    """A process worker of the merit-local pool: on a GPU pool, one machine."""
+    """A process worker of the merit-local pool: on a GPU pool, one machine. Five runs at once: a
+    diloco run, its two workers (alive for the whole run) and its two aggregation parts."""
     return subprocess.Popen(
-        [PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "3"],
+        [PREFECT, "worker", "start", "--pool", "merit-local", "--limit", "5"],
         env={**server, "PREFECT_WORKER_QUERY_SECONDS": "2"},
         cwd=ROOT,
         stdout=log.open("w"),
@@ -239,12 +242,15 @@ def test_a_branch_whose_machine_is_lost_is_crashed_resubmitted_and_resumed(serve
 
 def test_a_diloco_deployment_run_trains_its_workers_as_flow_runs_of_the_branch_deployment(server, tmp_path):
     """The DiLoCo workers live for the whole run, each a flow run of merit-branch/branch-local (on
-    a GPU pool: a machine each), while the diloco run aggregates their rounds. In bf16, as on GPUs:
-    the global weights stay fp32 (bf16 would round the outer steps away)."""
+    a GPU pool: a machine each), while the diloco run aggregates their rounds in two parts, each a
+    flow run of diloco-part/diloco-part-local (a machine each). In bf16, as on GPUs: the global
+    weights stay fp32 (bf16 would round the outer steps away)."""
     overrides = [
         *OVERRIDES,
         "model.dtype=bfloat16",
         "flow.branch_deployment=merit-branch/branch-local",
+        "diloco.aggregators=2",
+        "diloco.aggregator_deployment=diloco-part/diloco-part-local",
         "diloco.inner_steps=2",
         "diloco.rounds=2",
         "diloco.eval_every=0",
@@ -252,13 +258,14 @@ def test_a_diloco_deployment_run_trains_its_workers_as_flow_runs_of_the_branch_d
     ]
     run_dir, parent_id = run_deployment(server, tmp_path, "diloco/diloco-demo", overrides)
     children = api(server, "flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [parent_id]}}})
-    assert sorted(r["name"] for r in children) == ["branch-isoloco-iid/0", "branch-isoloco-iid/1"]
+    parts = [f"part-isoloco-iid/{r}/{s}" for r in range(2) for s in range(2)]
+    assert sorted(r["name"] for r in children) == ["branch-isoloco-iid/0", "branch-isoloco-iid/1", *parts]
     assert all(r["state"]["type"] == "COMPLETED" for r in children)
     records = json.loads((run_dir / "diloco" / "isoloco-iid" / "rounds.json").read_text())
-    assert [(r["round"], r["workers"]) for r in records] == [(0, [0, 1]), (1, [0, 1])]
+    assert [(r["round"], r["workers"], r["aggregators"]) for r in records] == [(0, [0, 1], 2), (1, [0, 1], 2)]
     final = run_dir / "diloco" / "isoloco-iid" / "global" / "2"
     AutoModelForImageTextToText.from_pretrained(final)
-    trained = load_file(final / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    trained = CheckpointReader(final).get("model.layers.0.mlp.up_proj.weight")  # in one of two parts' files
     assert trained.dtype == torch.float32 and not torch.equal(trained, trained.bfloat16().float())
     artifacts = api(server, "artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [parent_id]}}})
     report = next(a for a in artifacts if a["key"] == "demo-report")

@@ -125,6 +125,7 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
         (["diloco.sync=async"], "'isoloco': iso_c combines several payloads at once"),
         (["diloco.sync=async", f"{AVG}", "diloco.aggregators=2"], "diloco.sync: async applies one"),
         (["diloco.replay=arrivals.json"], "replays the arrivals of diloco.sync: async"),
+        (["diloco.aggregator_deployment=diloco-part/x"], "runs the parts of diloco.aggregators > 1"),
         (["diloco.methods=[{name: a, method: iso_c, outer_momentum: 1.0}]"], "outer_momentum"),
         (["diloco.methods=[{name: a, method: fisher}]"], "the fisher merge needs Fisher estimates"),
     ]:

@@ -166,6 +166,11 @@ def parts_dir(plan: DilocoPlan, r: int) -> Path:
     return Path(plan.folder) / GLOBAL / f".{r + 1}.parts"
 
 
+def part_beat_dir(plan: DilocoPlan, r: int, s: int) -> Path:
+    """Where part s of round r, aggregated on a machine of its own, beats its heartbeat."""
+    return parts_dir(plan, r) / f".{s}.beat"
+
+
 def tensor_parts(info: dict[str, TensorInfo], trained: list[str], parts: int) -> list[list[str]]:
     """The trained tensors of each part, balanced by bytes: the largest first, each into the
     lightest part so far; in checkpoint order within a part."""
@@ -382,7 +387,8 @@ def _record(
             "worker_io": max(m["seconds"]["load"] + m["seconds"]["save"] for m in metas),
             "launch": max(m["seconds"].get("launch", 0.0) for m in metas),
             **seconds,
-            # Parts one after another here; on S machines, the slowest part's.
+            # The parts' seconds summed (their machine time); run at once, the round's wall time
+            # holds only the slowest part's.
             "aggregate": round(sum(part["seconds"]["aggregate"] for part in parts), 4),
         },
     }
