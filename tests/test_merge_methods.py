@@ -7,7 +7,6 @@ import torch
 from pipeline.bench.isoc import spectrum_matrix
 from pipeline.merge import Rule, TensorContext, TensorInputs, get_method, merge_state_dicts, merge_tensor, tensor_reader
 from pipeline.merge.linalg import iso
-from pipeline.merge.methods.ties import kth_largest_abs
 
 SHAPES = {"square": (24, 24), "rect": (40, 17), "vector": (33,)}
 
@@ -76,27 +75,6 @@ def test_ties(k, shape, zero, density):
     base, models, weights = case(k, SHAPES[shape], zero=zero)
     expected = np_ties(*np_inputs(base, models, weights), density, 0.8)
     np.testing.assert_allclose(merged("ties", base, models, weights, density=density, scale=0.8), expected, atol=1e-5)
-
-
-def test_kth_largest_abs_is_exact_on_large_tensors():
-    x = torch.randn(3, 1_500_000, generator=torch.Generator().manual_seed(1))
-    x[0, :1000] = 0.0
-    x[1, :700_000] = 0.25  # many equal values
-    expected = torch.sort(x.abs(), dim=1, descending=True).values
-    for k in (1, 7, 600_000, 1_499_000, 1_500_000):
-        assert torch.equal(kth_largest_abs(x, k), expected[:, k - 1])
-
-
-def test_kth_largest_abs_is_exact_when_the_sample_misleads():
-    """The threshold is bracketed from a strided sample; a sample unlike the rest (here every
-    sampled entry is huge) misses the bracket, and the radix select still finds the exact value."""
-    x = torch.rand(2, 1_500_000, generator=torch.Generator().manual_seed(3))
-    x[:, :: 1_500_000 // (1 << 16)] = 1e6
-    expected = torch.sort(x.abs(), dim=1, descending=True).values
-    for k in (10, 300_000):
-        assert torch.equal(kth_largest_abs(x, k), expected[:, k - 1])
-    frozen = torch.zeros(2, 1_500_000)  # one value throughout: the radix select, not a copy of the block
-    assert torch.equal(kth_largest_abs(frozen, 300_000), torch.zeros(2))
 
 
 def test_ties_is_exact_whatever_the_threads_and_blocks():
