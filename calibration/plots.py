@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
 from calibration.split import SplitPlan, principal_axes
+from pipeline.figures import save_figure
 
 
 def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
@@ -30,7 +28,7 @@ def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan,
         ax.axvline(edge, color="black", lw=1.2)
     fig.colorbar(image, ax=ax, label="cosine of mean gradients")
     ax.set_title(f"Gradient conflicts at θ0, {len(plan.groups)} groups ({plan.method})")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
@@ -55,7 +53,7 @@ def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path
     ax.axvline(0, color="grey", lw=0.5)
     ax.legend(fontsize=8)
     ax.set_title("Sources on the principal axes of the conflict matrix")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_explained_variance(conflicts: torch.Tensor, plan: SplitPlan, path: Path) -> Path:
@@ -69,7 +67,7 @@ def plot_explained_variance(conflicts: torch.Tensor, plan: SplitPlan, path: Path
     ax.set_xlabel("principal axis of the conflict matrix")
     ax.set_ylabel("explained variance (%)")
     ax.set_title(f"Explained variance (orange: the r = {r} axes split on)" if r else "Explained variance")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_accuracy_curve(curve: dict[int, float], reference_n: int, path: Path) -> Path:
@@ -82,12 +80,4 @@ def plot_accuracy_curve(curve: dict[int, float], reference_n: int, path: Path) -
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title("Accuracy of the n-sample mean gradient")
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

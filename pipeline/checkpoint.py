@@ -36,11 +36,29 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+@contextlib.contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` (hidden, a name of its own: writers never share one) to
+    write; on success it replaces ``path`` in one rename, on an exception it is removed. A reader
+    sees the old file or the new one, never half of either. The one atomic writer of files:
+    JSON, text, figures (``pipeline.figures``); folders are ``staged_dir``'s."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False))
 
 
 @contextlib.contextmanager

@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 
@@ -8,9 +9,12 @@ from pipeline.checkpoint import (
     CheckpointError,
     bytes_hashed,
     is_complete,
+    replacing,
     staged_dir,
     verify_checkpoint,
+    write_json_atomic,
     write_manifest,
+    write_text_atomic,
 )
 
 
@@ -108,3 +112,14 @@ def test_a_copy_is_hashed_again_even_with_its_record_and_mtimes(tmp_path):
     with pytest.raises(CheckpointError, match="a.bin: sha256 does not match"):
         verify_checkpoint(tmp_path / "copy")
     verify_checkpoint(tmp_path / "c")  # the original is untouched
+
+
+def test_a_file_written_atomically_is_the_old_one_or_the_new_one(tmp_path):
+    path = tmp_path / "report.md"
+    write_text_atomic(path, "old")
+    with pytest.raises(RuntimeError, match="killed"), replacing(path) as tmp:
+        tmp.write_text("half of the ne")
+        raise RuntimeError("killed while writing")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
+    write_json_atomic(path, {"new": 1})
+    assert json.loads(path.read_text()) == {"new": 1} and len(list(tmp_path.iterdir())) == 1

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from pipeline.figures import save_figure
 
 
 def plot_loss(metrics: Path, out: Path, title: str) -> Path:
@@ -19,7 +18,4 @@ def plot_loss(metrics: Path, out: Path, title: str) -> Path:
     ax.set_ylabel("training loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

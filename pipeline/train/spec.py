@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from pipeline.checkpoint import MANIFEST, CheckpointError, checkpoint_id, verify_checkpoint
+from pipeline.checkpoint import MANIFEST, CheckpointError, checkpoint_id, verify_checkpoint, write_text_atomic
 from pipeline.config import RunConfig, TrainSection
 from pipeline.data.manifest import active_sources, read_manifest
 from pipeline.hub import ModelNotFoundError, check_model_folder
@@ -96,8 +96,7 @@ class BranchSpec(BaseModel):
             raise ValueError(f"branch {self.name}: DeepSpeed config {self.train.deepspeed} not found")
 
     def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
+        write_text_atomic(path, self.model_dump_json(indent=2))
         return path
 
     @classmethod
