@@ -34,9 +34,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/merit run configs/demo.yaml --run-dir runs/demo
 
+# The documentation site is built with --strict (a dead link, an unknown anchor or a page missing
+# from mkdocs.yml's nav fails it) into an ignored folder, after ruff and before the tests.
+SITE_DIR ?= .site
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(SITE_DIR)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 format: $(STAMP)

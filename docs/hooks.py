@@ -1,0 +1,286 @@
+"""MkDocs hooks (mkdocs.yml ``hooks:``): pages the site builds from sources outside docs/.
+
+- ``reference/configuration.md``, generated at every build from ``pipeline.config.RunConfig``:
+  every key (sections, lists of sections and their items walked recursively) with its type, its
+  default, and the comment written beside it in the source (``#`` comments on or above the field
+  line, class docstrings), read with ``ast`` and ``tokenize``. It cannot drift from the code.
+- ``reference/merge-spec.md``, the same for ``pipeline.merge.spec.MergeSpec`` (``merit merge``'s YAML).
+- ``benchmarks/results/*.md``, the dated measurements, which live beside the benchmarks rather
+  than under docs/: added to the site at ``benchmarks/results/`` (mkdocs.yml's nav lists them).
+
+``tests/test_docs.py`` renders the reference through :func:`render_configuration` and builds the
+site with ``mkdocs build --strict``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import io
+import re
+import tokenize
+import types
+import typing
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+REFERENCE = "reference/configuration.md"
+MERGE_SPEC = "reference/merge-spec.md"
+
+
+# --- comments and docstrings from the source -------------------------------------------------
+
+
+@cache
+def _source_comments(path: str) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """Per class of the file: {field: its comment}; and {class: its docstring}."""
+    source = Path(path).read_text()
+    lines = source.splitlines()
+    comments: dict[int, tuple[bool, str]] = {}  # line -> (standalone, text)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            standalone = not lines[row - 1][:col].strip()
+            comments[row] = (standalone, tok.string.lstrip("#").strip())
+    fields: dict[str, dict[str, str]] = {}
+    docs: dict[str, str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs[node.name] = ast.get_docstring(node) or ""
+        found: dict[str, str] = {}
+        previous: tuple[str, str, int] | None = None  # (field, its trailing comment, its last line)
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                previous = None
+                continue
+            above, row = [], stmt.lineno - 1
+            while row in comments and comments[row][0]:
+                above.insert(0, comments[row][1])
+                row -= 1
+            trailing = " ".join(
+                comments[r][1] for r in range(stmt.lineno, stmt.end_lineno + 1) if r in comments and not comments[r][0]
+            )
+            # A trailing comment that stops mid-sentence (";" or ",") goes on over the lines below it.
+            if previous and above and previous[1].endswith((";", ",")) and row == previous[2]:
+                name, text, _ = previous
+                found[name] = f"{text} {' '.join(above)}"
+                above = []
+            found[stmt.target.id] = " ".join([*above, trailing]).strip()
+            previous = (stmt.target.id, trailing, stmt.end_lineno)
+        fields[node.name] = found
+    return fields, docs
+
+
+def _origin_class(model: type[BaseModel], field: str) -> type[BaseModel]:
+    """The class of ``model``'s MRO whose own body declares ``field``."""
+    for cls in model.__mro__:
+        if field in inspect.get_annotations(cls):
+            return cls
+    return model
+
+
+def field_comment(model: type[BaseModel], field: str) -> str:
+    cls = _origin_class(model, field)
+    fields, _ = _source_comments(inspect.getsourcefile(cls))
+    return _markdown(fields.get(cls.__name__, {}).get(field, ""))
+
+
+def class_doc(model: type[BaseModel]) -> str:
+    _, docs = _source_comments(inspect.getsourcefile(model))
+    return _markdown(" ".join(docs.get(model.__name__, "").split()))
+
+
+def _markdown(text: str) -> str:
+    """One line of markdown: reStructuredText's ``code`` as `code`, and outside code, < and > as
+    text (``merged/<name>`` is no HTML tag)."""
+    text = re.sub(r"``(.+?)``", r"`\1`", " ".join(text.split()))
+    parts = text.split("`")
+    parts[::2] = [p.replace("<", "&lt;").replace(">", "&gt;") for p in parts[::2]]
+    return "`".join(parts)
+
+
+# --- types and defaults ----------------------------------------------------------------------
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """(the type without ``None``, whether ``None`` is allowed)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) < len(typing.get_args(tp)):
+            return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), True  # noqa: UP007
+    return tp, False
+
+
+def nested(tp: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The section a field holds (itself, or as the items of a list), and whether it is a list."""
+    tp, _ = _unwrap(tp)
+    if _is_model(tp):
+        return tp, False
+    if typing.get_origin(tp) is list and _is_model(typing.get_args(tp)[0]):
+        return typing.get_args(tp)[0], True
+    return None, False
+
+
+NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", Any: "any"}
+
+
+def type_text(tp: Any) -> str:
+    tp, optional = _unwrap(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        text = "one of " + ", ".join(f"`{a}`" for a in args)
+    elif origin in (typing.Union, types.UnionType):
+        text = ", or ".join(type_text(a) for a in args)
+    elif origin is list:
+        text = f"list of {type_text(args[0])}"
+        text = text if " " not in type_text(args[0]) else f"list of ({type_text(args[0])})"
+    elif origin is dict:
+        text = f"map of {type_text(args[0])} to {type_text(args[1])}"
+    elif origin is tuple:
+        text = "[" + ", ".join(type_text(a) for a in args) + "]"
+    elif _is_model(tp):
+        text = "section"
+    else:
+        text = NAMES.get(tp, getattr(tp, "__name__", str(tp)))
+    return f"{text}, or null" if optional else text
+
+
+def constraints(info: Any) -> str:
+    marks = []
+    for m in info.metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                marks.append(f"{sign} {getattr(m, attr)}")
+        if getattr(m, "pattern", None):
+            marks.append(f"matches `{m.pattern}`")
+    return ", ".join(marks)
+
+
+def _flow(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("...")
+
+
+def default_text(info: Any) -> str:
+    if info.default is PydanticUndefined and info.default_factory is None:
+        return "required"
+    value = info.default_factory() if info.default is PydanticUndefined else info.default
+    if isinstance(value, BaseModel):
+        return "(the section's defaults)"
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        value = [v.model_dump(mode="json", exclude_unset=True) for v in value]
+    elif isinstance(value, tuple):
+        value = list(value)
+    return f"`{_flow(value).strip()}`"
+
+
+# --- the page ---------------------------------------------------------------------------------
+
+
+def anchor(path: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
+
+
+def sections(model: type[BaseModel], path: str) -> list[tuple[str, type[BaseModel]]]:
+    """(path, section) of ``model`` and of every section inside it, depth first; list items as ``[]``."""
+    out = [(path, model)]
+    for name, info in model.model_fields.items():
+        inner, is_list = nested(info.annotation)
+        if inner is not None:
+            out += sections(inner, (f"{path}.{name}" if path else name) + ("[]" if is_list else ""))
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table(model: type[BaseModel], path: str) -> list[str]:
+    rows = ["| key | type | default | what it is |", "| --- | --- | --- | --- |"]
+    for name, info in model.model_fields.items():
+        key = f"{path}.{name}" if path else name
+        inner, is_list = nested(info.annotation)
+        kind = type_text(info.annotation)
+        if inner is not None:
+            target = key + ("[]" if is_list else "")
+            kind = ("list of sections" if is_list else "section") + (", or null" if "null" in kind else "")
+            kind += f": [keys below](#{anchor(target)})"
+        limits = constraints(info)
+        kind += f" ({limits})" if limits else ""
+        rows.append(f"| `{key}` | {_cell(kind)} | {_cell(default_text(info))} | {_cell(field_comment(model, name))} |")
+    return rows
+
+
+def render_configuration() -> str:
+    from pipeline.config import RunConfig
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by docs/hooks.py from pipeline/config.py at every build: edit the code, not this page. -->",
+        "",
+        "One YAML file, validated by pydantic (`pipeline/config.py`, `RunConfig`). An unknown key or a bad",
+        "value is an error that names the key (`data.max_lenght: Extra inputs are not permitted`); a key",
+        "left out takes its default. `--set KEY=VALUE` overrides any key from the command line, the value",
+        "parsed as YAML: `--set train.lr=2e-5`, `--set data.sources.0.max_examples=100` (a list item by",
+        "its index), `--set 'eval.benchmarks=[toy_perception, toy_diagram]'`. A run directory keeps the",
+        "resolved config as `config.yaml`.",
+        "",
+        "This page is generated from the code at every build of the documentation: every key, its type,",
+        "its default and the comment written beside it. `[]` stands for each item of a list",
+        "(`data.sources[].path`: the `path` of every source).",
+        "",
+    ]
+    for name, info in RunConfig.model_fields.items():
+        top = info.annotation
+        for path, model in sections(top, name):
+            lines += [f"{'##' if path == name else '###'} `{path}` {{#{anchor(path)}}}", ""]
+            doc = class_doc(model)
+            lines += [doc, ""] if doc else []
+            lines += [*table(model, path), ""]
+    return "\n".join(lines)
+
+
+def render_merge_spec() -> str:
+    from pipeline.merge.spec import MergeSpec
+
+    lines = [
+        "# Merge spec reference",
+        "",
+        "<!-- Generated by docs/hooks.py from pipeline/merge/spec.py at every build: edit the code, not this page. -->",
+        "",
+        "The YAML file `merit merge SPEC.yaml` reads (`pipeline/merge/spec.py`, `MergeSpec`), generated from",
+        "the code like [the configuration reference](configuration.md). Unknown keys are errors; `[]` stands",
+        "for each item of a list. How to use it: [the merge library alone](../guides/merge-library.md).",
+        "",
+    ]
+    for path, model in sections(MergeSpec, ""):
+        lines += [f"## `{path}` {{#{anchor(path)}}}" if path else "## The spec", ""]
+        doc = class_doc(model)
+        lines += [doc, ""] if doc else []
+        lines += [*table(model, path), ""]
+    return "\n".join(lines)
+
+
+# --- mkdocs events -----------------------------------------------------------------------------
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    files.append(File.generated(config, REFERENCE, content=render_configuration()))
+    files.append(File.generated(config, MERGE_SPEC, content=render_merge_spec()))
+    for page in sorted(RESULTS.glob("*.md")):
+        files.append(File.generated(config, f"benchmarks/results/{page.name}", abs_src_path=str(page)))
+    return files

@@ -1,0 +1,86 @@
+"""The documentation: the configuration reference lists every key of RunConfig (it is generated
+from the code by docs/hooks.py at every build), and the site builds with ``mkdocs build --strict``
+(a dead link, an unknown anchor or a page missing from the navigation fails it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from pipeline.config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def section_of(annotation) -> tuple[type[BaseModel] | None, bool]:
+    """The pydantic model a field holds, directly or as list items (``X | None`` unwrapped)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item, True
+    return None, False
+
+
+def key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of ``model``, sections and lists of sections walked recursively (list items as []).
+    The reference has a row for each, and a heading for each top-level section."""
+    paths = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        paths.append(path)
+        inner, is_list = section_of(field.annotation)
+        if inner is not None:
+            paths += key_paths(inner, path + ("[]" if is_list else ""))
+    return paths
+
+
+def test_the_configuration_reference_lists_every_key_of_runconfig_with_its_default():
+    page = hooks().render_configuration()
+    paths = key_paths(RunConfig)
+    assert len(paths) > 150  # sanity: the walk reached the nested sections and list items
+    for must in ("data.sources[].path", "merge.methods[].rules[].pattern", "diloco.methods[].outer_lr"):
+        assert must in paths
+    rows = {line.split("|")[1].strip().strip("`"): line for line in page.splitlines() if line.startswith("| `")}
+    headings = {line.split("`")[1] for line in page.splitlines() if line.startswith("#") and "`" in line}
+    missing = [p for p in paths if p not in rows and not ("." not in p and p in headings)]
+    assert not missing, f"keys missing from the configuration reference: {missing}"
+    # Each row carries the default the code has, and the comment written beside the field.
+    assert "`0.001`" in rows["train.lr"] and "per process" in rows["train.micro_batch"]
+    assert "required" in rows["data.sources[].name"] and "`OPENAI_API_KEY`" in rows["eval.judge.api_key_env"]
+    assert "delayed Nesterov" in rows["diloco.sync"] and "diloco-part" in rows["diloco.aggregator_deployment"]
+
+
+def test_the_site_builds_strictly(tmp_path):
+    site = tmp_path / "site"
+    env = os.environ | {"NO_MKDOCS_2_WARNING": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reference = (site / "reference" / "configuration" / "index.html").read_text()
+    assert "diloco.aggregator_deployment" in reference
+    assert (site / "benchmarks" / "results" / "2026-12-01-diloco" / "index.html").is_file()
