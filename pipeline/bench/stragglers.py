@@ -41,7 +41,7 @@ Modes, all from the same θ0 with the same shards, seeds and outer method:
   worker's latest payload (H while a worker has none). Each worker sends T payloads; the run ends
   when all R·T are applied.
 
-Choices where the brief was silent:
+Choices:
 
 - Each worker's lr schedule runs over H·T steps (its budget in ``sync``), in every mode: a worker
   that trains fewer steps (a straggler, DyLU) ends earlier in its schedule.
@@ -58,6 +58,8 @@ Choices where the brief was silent:
   ``none``), applied or not; a payload already under way when its round closed counts, then is
   dropped.
 - A worker's local steps are those of the payloads it completed during the run (sent or not).
+- Each snapshot records the machine's 1-minute load average: wall times are only comparable
+  between modes run under the same load, and the table shows it.
 - Outputs: ``stragglers-<method>[-<compression>].json`` and ``.png`` (held-out loss against wall
   time per mode) in ``--out``, beside the plain bench's ``results.json``, never over it.
 """
@@ -68,6 +70,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import queue
 import time
 import traceback
@@ -355,6 +358,7 @@ class Snapshot:
     seconds: float  # since θ0 was sent
     version: int  # outer steps (sync, quorum) or arrivals applied (async)
     state: dict[str, torch.Tensor]
+    load: float = field(default_factory=lambda: os.getloadavg()[0])  # the machine's, 1-minute average
 
 
 @dataclass
@@ -525,7 +529,10 @@ def run_mode(pool: Pool, mode: str, setting: Setting, theta0: dict[str, torch.Te
 
 def figures(run: ModeRun, losses: list[float], sync_wall: float | None) -> dict:
     """A mode's figures for the table and the JSON (the snapshots' states left out)."""
-    curve = [{"seconds": s.seconds, "version": s.version, "loss": loss} for s, loss in zip(run.snapshots, losses)]
+    curve = [
+        {"seconds": s.seconds, "version": s.version, "loss": loss, "load": s.load}
+        for s, loss in zip(run.snapshots, losses)
+    ]
     at_sync = None
     if sync_wall is not None:
         at_sync = [c["loss"] for c in curve if c["seconds"] <= sync_wall][-1]
@@ -534,6 +541,7 @@ def figures(run: ModeRun, losses: list[float], sync_wall: float | None) -> dict:
         "wall_seconds": run.wall_seconds,
         "loss_at_sync_wall": at_sync,
         "bytes_sent": run.bytes_sent,
+        "load_average": sum(c["load"] for c in curve[1:]) / (len(curve) - 1),  # during the run, for the record
         "workers": [asdict(s) for s in run.workers],
         "curve": curve,
     }
@@ -571,7 +579,8 @@ def run_bench(
             results[mode] = figures(run, losses, sync_wall)
             print(
                 f"{mode}: wall {run.wall_seconds:.1f} s, final held-out loss {losses[-1]:.4f}, "
-                f"{run.bytes_sent / 1e6:,.1f} MB sent",
+                f"{run.bytes_sent / 1e6:,.1f} MB sent; load average {results[mode]['load_average']:.1f} "
+                f"on {os.cpu_count()} CPUs",
                 flush=True,
             )
         return {"initial_loss": initial, "modes": results}
@@ -627,6 +636,7 @@ def summary_table(result: dict, sync_wall: float | None) -> str:
                 at_sync,
                 f"{r['bytes_sent'] / 1e6:,.1f} MB",
                 *mode_facts(mode, r),
+                f"{r['load_average']:.1f}",
             ]
         )
     at = f"loss at sync's {sync_wall:.0f} s" if sync_wall is not None else "loss at sync's wall s"
@@ -639,6 +649,7 @@ def summary_table(result: dict, sync_wall: float | None) -> str:
         "stragglers / round",
         "applied / arrived",
         "local steps",
+        "load",
     ]
     return markdown(headers, rows)
 
@@ -709,7 +720,8 @@ def _main(args: argparse.Namespace) -> None:
                 "bytes_sent": "every Δ payload the workers sent during the run, as compressed, applied or not",
                 "discount": "a late payload's weight × 1 / (1 + staleness), weights renormalised",
                 "dylu": "H_k = max(1, round(H · speed_k / max_j speed_j))",
-                "cpus": torch.multiprocessing.cpu_count(),
+                "cpus": os.cpu_count(),
+                "load": "the machine's 1-minute load average at each snapshot (os.getloadavg), for the record",
                 "bench_seconds": time.perf_counter() - start,
             }
             (out / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -719,6 +731,6 @@ def _main(args: argparse.Namespace) -> None:
                 "\nwall s: from θ0 sent to the last outer step; loss at sync's wall time: the latest snapshot at "
                 "or before it; bytes: Δ payloads sent by all workers; applied / arrived: per worker, payloads "
                 "applied / payloads that reached the server; local steps: each worker's inner steps in "
-                "completed payloads"
+                f"completed payloads; load: the machine's 1-minute load average during the run ({os.cpu_count()} CPUs)"
             )
             print(f"outputs: {out / (name + '.json')}, {out / (name + '.png')}")
