@@ -128,9 +128,10 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
     """Check every file listed in the manifest against its sha256; return the manifest.
 
     A multi-GB checkpoint is read by every rank, stage and merge of a run: it is hashed once, and
-    the verification is recorded in the folder (``.verified.json``: each file's size and mtime).
-    Later calls compare sizes and mtimes only, and hash again when one has changed, so a file
-    rewritten or truncated after the check is still caught, at the cost of a stat per file."""
+    the verification is recorded in the folder (``.verified.json``: each file's size, mtime,
+    inode and ctime). Later calls compare those only, and hash again when one has changed, so a
+    file rewritten, truncated or copied in after the check is still caught, at the cost of a stat
+    per file."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     stamps = _stamps(folder, manifest)

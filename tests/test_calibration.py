@@ -216,7 +216,7 @@ def test_designed_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(set
     −0.65 … −1.0; the colour pair's two questions differ in more than their instruction, and
     once reached +0.05), so the cued bound is on the mean. At the skills warm-up's θ0, which
     answers tersely already, the cued cosines are near 0 and the split keeps most pairs apart,
-    not reliably all (README, "What calibration finds")."""
+    not reliably all (docs/concepts/data.md, "What calibration finds")."""
     _, _, encoder, collator = setup
     config = small_config("data.builtin.examples_per_source=24", f"data.builtin.conflicts={kind}")
     examples = load_sources(config.data, 0).examples

@@ -1,7 +1,8 @@
 """The merge library: one function per method over one tensor, rules choosing a method per
-tensor, and a streaming driver over safetensors checkpoints. Stands alone: torch and
-safetensors only (no import of the data, model or training code). Exports import their
-submodule on first use."""
+tensor, and a streaming driver over safetensors checkpoints. Stands alone: no import of the
+data, model or training code; it needs torch, safetensors, numpy, pydantic, PyYAML and tqdm, and
+three small modules of this package (checkpoint, threads, lazy). Exports import their submodule
+on first use."""
 
 from pipeline.lazy import lazy_exports
 

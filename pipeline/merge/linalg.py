@@ -7,7 +7,7 @@ Two ways:
   normalisation, a schedule of (a, b, c) steps. The default schedule is Muon's quintic
   (3.4445, −4.7750, 2.0315) × 8, which lifts small singular values fast but leaves them in
   ≈ [0.7, 1.2], followed by 4 cubic steps (1.5, −0.5, 0), which converge quadratically to
-  exactly 1 from there. Measured errors: README, ``merit bench isoc``.
+  exactly 1 from there. Measured errors: ``merit bench isoc`` (docs: benchmarks).
 
 Iso(M) = mean(S) · U Vᵀ over the support of M: the singular directions whose value is above
 numerical zero (``support``). A full fine-tune's M has full rank and the support is all of it;
