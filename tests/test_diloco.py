@@ -27,6 +27,7 @@ from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.aggregate import AsyncOuter
 from pipeline.diloco.compress import INT4_BLOCK, payload_infos
+from pipeline.diloco.loop import run_rounds
 from pipeline.diloco.plan import diloco_plan, plan_of, shards
 from pipeline.diloco.rounds import (
     abort,
@@ -432,6 +433,21 @@ def test_aggregators_splitting_a_round_by_tensors_give_the_weights_of_one(diloco
     # Each aggregator reads about a third of what one reads (the parts are balanced by bytes).
     assert split["bytes"]["aggregator_read"] < 0.6 * first["bytes"]["aggregator_read"]
     assert not parts_dir(three, 1).exists()
+
+
+def test_the_round_loop_runs_from_python_without_prefect(diloco_run):
+    """``pipeline.diloco.loop.run_rounds`` alone: the workers processes of this machine, a round's
+    two parts threads of this one; the global loads with transformers."""
+    _, run_dir = diloco_run
+    deepspeed = f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json"
+    settings = ["diloco.workers=2", "diloco.rounds=1", "diloco.inner_steps=1", "diloco.aggregators=2", deepspeed]
+    cfg = load_config(run_dir / "config.yaml", [*settings, "diloco.eval_every=0", "train.micro_batch=4"])
+    entry = DilocoMethod(name="loop", method="iso_c", outer_lr=1.0, outer_momentum=0.0)
+    plan = diloco_plan(cfg, run_dir, entry)
+    run_rounds(cfg, str(run_dir), plan)
+    (record,) = round_records(plan)
+    assert record["workers"] == [0, 1] and record["aggregators"] == 2 and record["failures"] == {}
+    AutoModelForImageTextToText.from_pretrained(global_dir(plan, 1))
 
 
 def test_a_round_recovered_after_a_kill_is_recorded_as_the_flow_records_it(diloco_run, tmp_path):
