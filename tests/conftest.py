@@ -159,15 +159,31 @@ def prepared_run(run: Path) -> Path:
     return run
 
 
+def golden_run(run: Path) -> Path:
+    """A run on the inputs frozen in tests/golden (``freeze.py``): θ0 a folder, read as a downloaded
+    model is, and one LLaVA-format source, ``golden``; no change to the built-in corpus or to the
+    tiny model's builder moves what trains on it (the golden loss curve)."""
+    from pipeline.cli import main as merit
+
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    source = f"{{name: golden, format: llava, path: {GOLDEN / 'data' / 'golden.json'}}}"
+    settings = [f"model.name_or_path={GOLDEN / 'theta0'}", f"data.sources=[{source}]", "warmup.steps=0"]
+    settings += ["warmup.sources=[]", "eval.sources=[]", "eval.benchmarks=[]"]
+    assert merit(["init", str(demo), "--run-dir", str(run), *[a for s in settings for a in ("--set", s)]]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    return run
+
+
 def branch_spec(run_dir: Path, out: Path, *overrides: str, sources: list[str] = BRANCH_SOURCES):
     """A 12-step ZeRO-2 branch from the run's θ0 on ``sources`` (checkpoints every 4 steps)."""
+    from pipeline.layout import init_path
     from pipeline.train import BranchSpec
 
     deepspeed = Path(__file__).parent.parent / "configs" / "deepspeed" / "zero2.json"
     settings = ["train.steps=12", "train.micro_batch=4", "train.checkpoint_every=4", f"train.deepspeed={deepspeed}"]
     cfg = load_config(run_dir / "config.yaml", [*settings, *overrides])
     return BranchSpec(
-        name=out.name, run_dir=str(run_dir), init=str(run_dir / "init"), sources=sources, out_dir=str(out), config=cfg
+        name=out.name, run_dir=str(run_dir), init=init_path(cfg, run_dir), sources=sources, out_dir=str(out), config=cfg
     )
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BRANCH_SOURCES, branch_spec, prepared_run, sigkill_after_checkpoint
+from conftest import BRANCH_SOURCES, branch_spec, golden_run, prepared_run, sigkill_after_checkpoint
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForImageTextToText
@@ -79,12 +79,23 @@ def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_d
     assert steps == list(range(1, 13))  # records after the checkpoint were rewritten, not duplicated
 
 
-def test_accumulated_micro_batches_train_as_one_larger_batch_along_the_golden_curve(run_dir, tmp_path, golden):
+def test_accumulated_micro_batches_train_as_one_larger_batch_along_the_golden_curve(tmp_path, golden):
     """The loss of a step is its mean over every supervised token of the step: two micro batches
-    of 4 give the gradient of one batch of 8, up to float rounding (padding differs)."""
+    of 4 give the gradient of one batch of 8, up to float rounding (padding differs). On the
+    frozen inputs of tests/golden, so only a change of the trainer moves the curve."""
+    run_dir = golden_run(tmp_path / "golden-run")
     zero0 = f"train.deepspeed={ROOT}/configs/deepspeed/zero0.json"
-    one = train_branch(spec(run_dir, tmp_path / "one", zero0, "train.steps=8", "train.micro_batch=8"), echo=False)
-    two = spec(run_dir, tmp_path / "two", zero0, "train.steps=8", "train.micro_batch=4", "train.grad_accum=2")
+    first = spec(run_dir, tmp_path / "one", zero0, "train.steps=8", "train.micro_batch=8", sources=["golden"])
+    one = train_branch(first, echo=False)
+    two = spec(
+        run_dir,
+        tmp_path / "two",
+        zero0,
+        "train.steps=8",
+        "train.micro_batch=4",
+        "train.grad_accum=2",
+        sources=["golden"],
+    )
     assert train_branch(two, echo=False).tokens_seen == one.tokens_seen
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5
