@@ -377,3 +377,58 @@ def test_plots_are_inlined_for_the_prefect_ui_small_and_decodable(tmp_path):
     images = [Image.open(io.BytesIO(base64.b64decode(data))) for _, data in uris]
     assert [im.size for im in images] == [(MAX_WIDTH, 450), (300, 200)]  # scaled down, never up
     assert "![remote](https://example.org/x.png)" in inlined  # absolute links are left alone
+
+
+def record_merges(run: Path, tokens: list[int]) -> None:
+    """The merges' manifests as the merge stage writes them: each spec lists the branches' finals
+    with the tokens n_k (``weighting: tokens``) or nothing (``weighting: equal``) it merged with."""
+    from pipeline.merging import entry_spec
+
+    cfg = load_config(
+        run / "config.yaml",
+        ["merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c, weighting: equal}]"],
+    )
+    finals = [run / "branches" / str(k) / "final" for k in range(len(GROUPS))]
+    for entry in cfg.merge.methods:
+        spec = entry_spec(cfg, entry, run / "init", finals, tokens, run / "merged" / entry.name)
+        path = run / "merged" / entry.name / "manifest.json"
+        write_json(path, json.loads(path.read_text()) | {"spec": spec.model_dump(mode="json")})
+
+
+def test_the_merge_weights_shown_are_those_the_merges_recorded_not_the_data_manifests(full_run: Path):
+    record_merges(full_run, [4000, 6000])  # n_k when the branches were merged
+    data = full_run / "data" / "manifest.json"  # prepared again since, with other token counts
+    manifest = json.loads(data.read_text())
+    for info in manifest["sources"].values():
+        info["train_tokens"] = 7 * info.get("train_tokens", 0)
+    write_json(data, manifest)
+    report = build_report(full_run)
+
+    branches = {b["name"]: b for b in report["branches"]}
+    assert branches["branch-0"]["merge_weight"] == 0.4 and branches["branch-1"]["merge_weight"] == 0.6
+    assert branches["branch-0"]["data_tokens"] == 7 * 5000  # the data as prepared now, shown as such
+    assert report["merge_weights"] == {
+        "avg": {"weighting": "tokens", "weights": {"branch-0": 0.4, "branch-1": 0.6}},
+        "iso": {"weighting": "equal", "weights": {"branch-0": 0.5, "branch-1": 0.5}},
+    }
+    assert [row[4] for row in report["tables"]["branches"]["rows"]] == [None, 0.4, 0.6, None]
+    markdown = (full_run / "report" / "report.md").read_text()
+    assert "training data: 0.400 / 0.600 (`avg`, as recorded; by the tokens each branch saw it would be" in markdown
+    assert "Equally weighted merges weight the branches: 0.500 / 0.500 (`iso`, as recorded)." in markdown
+    assert "No merge has recorded its weights yet" not in markdown
+
+    # No weight no merge used: without a token-weighted merge the column is the equal merge's.
+    shutil.rmtree(full_run / "merged" / "avg")
+    report = build_report(full_run)
+    assert [b.get("merge_weight") for b in report["branches"]] == [None, 0.5, 0.5, None]
+    assert set(report["merge_weights"]) == {"iso"}
+    assert "Token-weighted" not in (full_run / "report" / "report.md").read_text()
+
+
+def test_before_any_merge_recorded_weights_the_report_says_the_weights_are_the_data_manifests(full_run: Path):
+    shutil.rmtree(full_run / "merged")
+    report = build_report(full_run)
+    assert "merge_weights" not in report
+    assert [b.get("merge_weight") for b in report["branches"]] == [None, 0.5, 0.5, None]  # n_k / Σ n_j
+    markdown = (full_run / "report" / "report.md").read_text()
+    assert "No merge has recorded its weights yet: n_k as the data manifest has it now." in markdown

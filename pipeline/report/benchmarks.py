@@ -2,29 +2,32 @@
 trained on as columns, their average, and θ0, the joint baseline, every merge on MERIT's split
 and on each control's (Random-K) split, the DiLoCo finals as rows; each row's difference to the
 joint baseline and, for a merge on MERIT's split, to the same merge on the control's split.
+Derived from the scores ``collect`` read (``eval/benchmarks/<model>/scores.json``, current ones only).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import checkpoint_id
 from pipeline.config import RunConfig
 from pipeline.data.benchmark import TASKS as TOY_TASKS
-from pipeline.eval.benchmarks import read_scores
 from pipeline.report.quality import merge_label
 
 
 def benchmark_section(
-    cfg: RunConfig, run_dir: Path, models: list[dict[str, Any]], controls: dict[str, tuple[Path, list[dict[str, Any]]]]
+    cfg: RunConfig,
+    models: list[dict[str, Any]],
+    scores: dict[str, dict[str, Any]],
+    controls: dict[str, tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]],
 ) -> dict[str, Any] | None:
-    """Rows, a markdown-ready table and the verdict in words; None when no model has scores."""
+    """Rows, a markdown-ready table and the verdict in words; None when no model has scores.
+    ``scores``: each model's current scores.json; ``controls``: each control's models and scores."""
     tasks, k = cfg.eval.benchmarks, cfg.branch_count
     labels = {"theta0": "θ0"} | {f"merged-{entry.name}": merge_label(entry) for entry in cfg.merge.methods}
-    found = _rows(run_dir, models, labels, f"MERIT-{k}")
-    for name, (folder, theirs) in controls.items():
-        found += _rows(folder, [m for m in theirs if m["kind"] == "merged"], labels, f"{name.capitalize()}-{k}")
+    found = _rows(models, scores, labels, f"MERIT-{k}")
+    for name, (theirs, their_scores) in controls.items():
+        merged = [m for m in theirs if m["kind"] == "merged"]
+        found += _rows(merged, their_scores, labels, f"{name.capitalize()}-{k}")
     if not tasks or not found:
         return None
     # θ0 and joint first, then each merge on MERIT's split beside the controls', then the rest.
@@ -40,24 +43,21 @@ def benchmark_section(
     return {"tasks": tasks, "rows": rows, "table": _table(rows, tasks, k), "verdict": verdict(rows, k)}
 
 
-def _rows(run_dir: Path, models: list[dict[str, Any]], labels: dict[str, str], split: str) -> list[dict[str, Any]]:
-    rows = []
-    for m in models:
-        scores = read_scores(run_dir, m["name"])
-        checkpoint = Path(m["checkpoint"] or "")
-        if scores is None or (checkpoint.exists() and scores["identity"]["checkpoint_id"] != checkpoint_id(checkpoint)):
-            continue  # not benchmarked, or weights replaced since
-        rows.append(
-            {
-                "model": m["name"],
-                "label": labels.get(m["name"], m["name"]),
-                "kind": m["kind"],
-                "split": split if m["kind"] in ("merged", "branch") else "—",
-                **{task: s["score"] for task, s in scores["tasks"].items()},
-                "average": scores["average"],
-            }
-        )
-    return rows
+def _rows(
+    models: list[dict[str, Any]], scores: dict[str, dict[str, Any]], labels: dict[str, str], split: str
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": m["name"],
+            "label": labels.get(m["name"], m["name"]),
+            "kind": m["kind"],
+            "split": split if m["kind"] in ("merged", "branch") else "—",
+            **{task: s["score"] for task, s in scores[m["name"]]["tasks"].items()},
+            "average": scores[m["name"]]["average"],
+        }
+        for m in models
+        if m["name"] in scores  # not benchmarked, or weights replaced since: not in the scores
+    ]
 
 
 def _table(rows: list[dict[str, Any]], tasks: list[str], k: int) -> dict[str, Any]:

@@ -1,41 +1,10 @@
-"""The report's DiLoCo section: per variant (``diloco/<method>-<shards>/``) its rounds' records,
-a summary row against the joint baseline and the best one-shot merge, and the plots of held-out
-loss against rounds and against bytes sent, drift and where a round's time goes."""
+"""The report's DiLoCo section, derived: per variant (``diloco/<method>-<shards>/``, its rounds'
+records as ``collect.diloco_runs`` read them) a summary row against the joint baseline and the
+best one-shot merge, and notes on the workers left out. (Its plot: ``plots.plot_diloco``.)"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
-
-from pipeline.layout import DILOCO, DILOCO_PLAN
-from pipeline.report.plots import plot_diloco
-
-
-def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
-    """Every variant with at least one round: its plan's settings and its rounds' records."""
-    runs = []
-    for path in sorted((run_dir / DILOCO).glob(f"*/{DILOCO_PLAN}")):
-        rounds = path.parent / "rounds.json"
-        if not rounds.is_file():
-            continue
-        plan = json.loads(path.read_text())
-        method = plan["method"]
-        runs.append(
-            {
-                "variant": plan["variant"],
-                "method": method.get("method") or "rules",
-                "outer": f"η {method['outer_lr']}, μ {method['outer_momentum']}"
-                + (" Nesterov" if method["nesterov"] else ""),
-                "workers": len(plan["workers"]),
-                "inner_steps": plan["inner_steps"],
-                "rounds": plan["rounds"],
-                "compression": plan["compression"],
-                "sync": plan.get("sync", "sync"),
-                "records": json.loads(rounds.read_text()),
-            }
-        )
-    return runs
 
 
 def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -109,11 +78,10 @@ COLUMNS = {
 }
 
 
-def diloco_section(run_dir: Path, out: Path, models: list[dict[str, Any]]) -> dict[str, Any]:
-    """The section's rows, table, notes and plot (empty when the run has no DiLoCo rounds)."""
-    runs = diloco_runs(run_dir)
+def diloco_summary(runs: list[dict[str, Any]], models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The section's rows, table and notes (empty when the run has no DiLoCo rounds); ``runs``:
+    ``collect.diloco_runs``."""
     if not runs:
-        (out / "diloco.png").unlink(missing_ok=True)
         return {}
     by_name = {m["name"]: m for m in models}
     rows = [summary_row(run, by_name) for run in runs]
@@ -126,10 +94,8 @@ def diloco_section(run_dir: Path, out: Path, models: list[dict[str, Any]]) -> di
         for row in rows
         for r, workers in row["stragglers"].items()
     ]
-    plot_diloco({f"{run['variant']} ({run['sync']})": run["records"] for run in runs}, out / "diloco.png")
     return {
         "rows": rows,
         "table": {"headers": list(COLUMNS.values()), "rows": [[row[k] for k in COLUMNS] for row in rows]},
         "notes": notes,
-        "plot": "diloco.png",
     }
