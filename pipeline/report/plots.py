@@ -3,17 +3,14 @@ against θ0, training curves, merges on MERIT's split against the controls'."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
 from pipeline.config import EVALUATED_ROLES
+from pipeline.figures import save_figure
 
 KIND_COLOURS = {
     "theta0": "tab:grey",
@@ -44,7 +41,7 @@ def plot_model_bars(
     ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=k) for k in dict.fromkeys(kinds)], fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_per_source(models: list[str], sources: list[str], delta: np.ndarray, path: Path) -> Path:
@@ -62,7 +59,7 @@ def plot_per_source(models: list[str], sources: list[str], delta: np.ndarray, pa
                 ax.text(j, i, f"{value:+.2f}", ha="center", va="center", fontsize=7, color=colour)
     fig.colorbar(image, ax=ax, label="held-out loss − θ0's")
     ax.set_title("Per-source held-out loss against θ0")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path) -> Path:
@@ -76,7 +73,7 @@ def plot_training_curves(curves: dict[str, tuple[list[int], list[float]]], path:
     ax.legend(fontsize=7, ncol=max(1, len(curves) // 8))
     ax.grid(alpha=0.3)
     ax.set_title("Training loss")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_quality(rows: list[dict], path: Path) -> str:
@@ -103,18 +100,7 @@ def plot_quality(rows: list[dict], path: Path) -> str:
         ax.set_title(metric.replace("_", ", ") + (" (lower is better)" if metric == "loss" else ""), fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    return _save(fig, path).name
-
-
-def _save(fig: plt.Figure, path: Path) -> Path:
-    """Written under a temporary name and renamed, so a reader never sees half a PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path).name
 
 
 def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
@@ -151,7 +137,7 @@ def plot_diloco(runs: dict[str, list[dict]], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0, 2].set_xscale("log")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def outer_round(record: dict) -> float:

@@ -5,11 +5,10 @@ from ``report.md`` (flows/report.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import write_json_atomic
+from pipeline.checkpoint import write_json_atomic, write_text_atomic
 from pipeline.report.benchmarks import stand_ins
 from pipeline.report.derive import MERIT_SHARE_PCT, TARGET_SHARE_PCT, Derived, Figures, brief
 from pipeline.report.plots import plot_diloco, plot_model_bars, plot_per_source, plot_quality, plot_training_curves
@@ -29,7 +28,7 @@ def render(derived: Derived, out: Path) -> dict[str, Any]:
     """Write ``out`` (the run's ``report/``): the plots, report.md, then report.json; return the report."""
     report, figures = derived.report, derived.figures
     write_plots(figures, out)
-    _write_text_atomic(out / "report.md", markdown(report, figures.own(), figures.others))
+    write_text_atomic(out / "report.md", markdown(report, figures.own(), figures.others))
     write_json_atomic(out / "report.json", report)  # last: its presence means the report is whole
     return report
 
@@ -281,12 +280,3 @@ def _cost_lines(costs: dict[str, Any]) -> list[str]:
             f"of {hashed['checkpoints']} checkpoint(s) (each is verified once, then only re-stat'ed)"
         )
     return lines
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """report.md, renamed into place whole. (pipeline/checkpoint.py's write_json_atomic is the
-    JSON one; the two are to be unified there.)"""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
