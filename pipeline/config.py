@@ -500,6 +500,34 @@ class RunConfig(Section):
             raise ValueError(f"diloco.slow_workers: no worker {unknown} among the {self.diloco_workers}")
         return self
 
+    @model_validator(mode="after")
+    def _diloco_lora(self) -> RunConfig:
+        """LoRA workers (``train.finetuning_type: lora``) send a fresh adapter's factors each round
+        (pipeline.diloco.lora): what int8 / int4 would drop of them, and an error-feedback residual,
+        mean nothing to the next round's new adapter; in async mode a tensor saved whole
+        (``train.additional_target``) would need the global its payload started from at the
+        aggregator, which may be gone by then."""
+        d = self.diloco
+        if self.train.finetuning_type != "lora":
+            return self
+        if d.compression in ("int8", "int4"):
+            raise ValueError(
+                f"diloco.compression {d.compression} with train.finetuning_type lora: LoRA workers send their "
+                "adapter's factors, each round a fresh adapter's; quantise nothing (none) or send bf16"
+            )
+        if d.error_feedback:
+            raise ValueError(
+                "diloco.error_feedback with train.finetuning_type lora: a residual of one round's adapter factors "
+                "means nothing to the next round's fresh adapter"
+            )
+        if d.sync == "async" and self.train.additional_target:
+            raise ValueError(
+                "train.additional_target with train.finetuning_type lora and diloco.sync: async: a module saved "
+                "whole is applied against the global its payload started from, which the aggregator may no "
+                "longer have; use sync or quorum, or no additional_target"
+            )
+        return self
+
     def digest(self, *sections: str) -> str:
         """A stable hash of some sections, used to decide whether a stage's outputs are stale."""
         dump = self.model_dump(mode="json")

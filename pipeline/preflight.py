@@ -148,6 +148,4 @@ def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.diloco.plan import check_diloco
 
-    if cfg.train.finetuning_type == "lora":
-        raise ConfigError("DiLoCo's workers train every weight: train.finetuning_type lora is for MERIT branches")
     return check_diloco(cfg, torch.cuda.device_count())

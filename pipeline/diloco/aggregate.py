@@ -51,6 +51,22 @@ def aggregate(
             sent += payload_bytes(payload)
             delta[name] = decompress(payload, name, theta_k.shape)
         deltas.append(delta)
+    return aggregate_deltas(theta, deltas, weights, rules, outer, momentum, sent, seed)
+
+
+def aggregate_deltas(
+    theta: dict[str, torch.Tensor],
+    deltas: Sequence[dict[str, torch.Tensor]],
+    weights: Sequence[float],
+    rules: list[Rule],
+    outer: OuterSGD,
+    momentum: dict[str, torch.Tensor],
+    sent: int,
+    seed: int = 0,
+) -> RoundStats:
+    """Step ``theta`` (in place) from the workers' pseudo-gradients Δ_k = θ − θ_k as received
+    (``sent``: their bytes), of the tensors they trained (a LoRA worker's: −(alpha / r)·B A of its
+    adapted tensors); the others stay as they are."""
     meter = DriftMeter(len(deltas))
     for name in deltas[0]:
         meter.add([d[name] for d in deltas])

@@ -48,13 +48,12 @@ from pipeline.checkpoint import (
     write_manifest,
 )
 from pipeline.diloco.aggregate import arrival_weight
-from pipeline.diloco.compress import SCALE_SUFFIX
+from pipeline.diloco.payload import open_payload
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.diloco.rounds import (
     OUTER,
     Clock,
     delta_dir,
-    delta_reader,
     global_dir,
     link,
     outer_of,
@@ -229,18 +228,24 @@ class _ArrivalStep:
 
     def __init__(self, plan: DilocoPlan, theta: CheckpointReader, payloads: list[Arrival], closes: bool, device: str):
         self.theta, self.payloads, self.closes, self.device = theta, payloads, closes, device
-        self.readers = [CheckpointReader(delta_dir(plan, a.payload, a.worker)) for a in payloads]
-        self.trained = [n for n in self.readers[-1].info if not n.endswith(SCALE_SUFFIX)]
-        for name in self.trained:
-            if name not in theta.info:
-                raise MergeInputError(f"{self.readers[-1].path}: tensor {name} is not in {theta.path}")
+        # A LoRA payload's Δ is −(alpha / r)·B A whatever global it started from; a tensor it saves
+        # whole would need that global, which may be gone (refused by the config: no
+        # train.additional_target with LoRA workers in async mode).
+        self.readers = [open_payload(delta_dir(plan, a.payload, a.worker), theta) for a in payloads]
+        for reader in self.readers:
+            if reader.whole:
+                raise MergeInputError(
+                    f"{reader.path}: an adapter with tensors saved whole ({reader.whole[0]}) cannot be applied "
+                    "asynchronously (its Δ needs the global it was trained from)"
+                )
+        self.trained = self.readers[-1].trained
         self.outer, self.rules = outer_of(plan.method), plan.method.effective_rules
         self.previous: CheckpointReader | None = None
         self.norm2, self.seconds = 0.0, {"merge": 0.0, "outer": 0.0}
 
     def delta(self, i: int, name: str) -> torch.Tensor:
         shape = self.theta.info[name].shape
-        rows = delta_reader(self.readers[i], name, shape)(0, rows_of(shape)[0])
+        rows = self.readers[i].delta(name)(0, rows_of(shape)[0])
         return rows.to(self.device, torch.float32).reshape(shape)
 
     def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,12 +279,12 @@ def _record(
     plan: DilocoPlan, v: int, arrival: Arrival, meta: dict[str, Any], step: _ArrivalStep, closes: bool
 ) -> dict[str, Any]:
     """The arrival as the report shows it (the fields of a synchronous round's record, for one
-    worker). Bytes: the payload sent, the global its worker fetches next (the trained tensors in
-    fp32), what the aggregator read; data-parallel training of the same steps would send
-    2 (R − 1) / R of the fp32 gradients each step from this worker."""
+    worker). Bytes: the payload sent (a LoRA worker's adapter), the global its worker fetches next
+    (the trained tensors in fp32), what the aggregator read; data-parallel training of the same
+    steps would send 2 (R − 1) / R of the fp32 gradients of what trains each step from this worker."""
     fp32 = sum(4 * math.prod(step.theta.info[n].shape) for n in step.trained)
-    sent = sum(i.nbytes for i in step.readers[-1].info.values())
-    read = sum(sum(i.nbytes for i in r.info.values()) for r in step.readers) + fp32 * (2 if closes else 1)
+    sent = step.readers[-1].sent
+    read = sum(r.read(set(r.trained)) for r in step.readers) + fp32 * (2 if closes else 1)
     return {
         "round": v,
         "outer_round": (v + 1) / plan.size,  # in rounds of R arrivals, to set beside synchronous rounds
@@ -300,7 +305,7 @@ def _record(
             "sent": sent,
             "received": fp32,
             "aggregator_read": read,
-            "data_parallel": round(arrival.steps * 2 * (plan.size - 1) / plan.size * fp32),
+            "data_parallel": round(arrival.steps * 2 * (plan.size - 1) / plan.size * step.readers[-1].gradient),
         },
         "seconds": {
             "inner": meta["seconds"]["inner"],

@@ -176,4 +176,7 @@ def check_diloco(cfg: RunConfig, gpus: int) -> str:
         )
     if problems:
         raise ValueError("; ".join(problems))
-    return f"{r} workers × {cfg.diloco.inner_steps} inner steps, {cfg.diloco.shards} shards"
+    t, lora = cfg.train, ""
+    if t.finetuning_type == "lora":
+        lora = f", each round a fresh LoRA adapter of rank {t.lora_rank} (alpha {t.lora_scaling * t.lora_rank:g})"
+    return f"{r} workers × {cfg.diloco.inner_steps} inner steps, {cfg.diloco.shards} shards{lora}"

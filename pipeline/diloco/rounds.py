@@ -4,7 +4,8 @@
     diloco/<variant>/global/<r>/              θ after r rounds: a loadable checkpoint, with the
                                               outer optimizer's state (outer/) and round.json
     diloco/<variant>/global/.<r>.parts/<s>/   part s of it (``diloco.aggregators``), until assembled
-    diloco/<variant>/deltas/<r>/<k>/          worker k's compressed pseudo-gradient of round r
+    diloco/<variant>/deltas/<r>/<k>/          worker k's compressed pseudo-gradient of round r, or
+                                              its LoRA adapter (``pipeline.diloco.payload``)
     diloco/<variant>/workers/<k>/             worker k's inner state, metrics and log
     diloco/<variant>/rounds.json              every round's record
 
@@ -40,16 +41,15 @@ from pipeline.checkpoint import (
     write_manifest,
 )
 from pipeline.config import DilocoMethod
-from pipeline.diloco.compress import SCALE_SUFFIX, dequantise_int4, row_shape
 from pipeline.diloco.drift import DriftMeter
 from pipeline.diloco.outer import OuterSGD
+from pipeline.diloco.payload import Payload, delta_reader, open_payload  # noqa: F401 (delta_reader: its old home)
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.merge.driver import merge_tensor
-from pipeline.merge.inputs import Reader, TensorInputs, Workspace
+from pipeline.merge.inputs import TensorInputs, Workspace
 from pipeline.merge.io import (
     INDEX,
     CheckpointReader,
-    MergeInputError,
     ShardedWriter,
     TensorInfo,
     copy_aux_files,
@@ -117,28 +117,6 @@ def save_record(plan: DilocoPlan, record: dict[str, Any]) -> None:
     write_json_atomic(Path(plan.folder) / RECORDS, sorted([*kept, record], key=lambda r: r["round"]))
 
 
-def delta_reader(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Reader:
-    """Rows of a worker's Δ (a tensor of ``shape``) in fp32: int8 and int4 payloads are
-    dequantised row block by row block with their scales."""
-    rows, dtype = reader.reader(name), reader.info[name].dtype
-    if dtype not in (torch.int8, torch.uint8):
-        return rows
-    scales, matrix = reader.reader(name + SCALE_SUFFIX), len(shape) >= 2
-    cols = row_shape(shape)[1]
-
-    def read(start: int, stop: int) -> torch.Tensor:
-        if dtype == torch.uint8:  # int4: packed rows; a vector is one packed row
-            if not matrix:
-                return dequantise_int4(rows(0, 1), scales(0, 1), cols)[0, start:stop]
-            return dequantise_int4(rows(start, stop), scales(start, stop), cols).reshape(stop - start, *shape[1:])
-        q = rows(start, stop).float()
-        if not matrix:  # a vector is one row: one scale
-            return q * scales(0, 1)[0]
-        return q * scales(start, stop).float().reshape(-1, *[1] * (q.dim() - 1))
-
-    return read
-
-
 def aggregate_round(
     plan: DilocoPlan,
     r: int,
@@ -203,7 +181,7 @@ def aggregate_part(
     momentum = momentum if step.outer.momentum else {}
     with staged_dir(folder) as tmp:
         hashes, maps = write_stepped(tmp, theta, out_plan, mine, step, momentum, stem)
-        payloads = sum(d.info[n].nbytes for d in step.deltas for n in d.info if n.split(SCALE_SUFFIX)[0] in mine)
+        payloads = sum(d.read(mine) for d in step.deltas)
         theta_bytes = sum(theta.info[n].nbytes for n in mine)
         record = {
             "part": s,
@@ -267,7 +245,8 @@ def assemble_round(
     manifests = [verify_checkpoint(folder) for folder in folders]
     parts = [json.loads((folder / PART).read_text()) for folder in folders]
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
-    theta, deltas = CheckpointReader(global_dir(plan, r)), [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
+    theta = CheckpointReader(global_dir(plan, r))
+    deltas = [open_payload(delta_dir(plan, r, k), theta) for k in workers]
     with staged_dir(global_dir(plan, r + 1)) as tmp:
         hashes, maps = {}, {}
         for folder, manifest in zip(folders, manifests):
@@ -298,11 +277,8 @@ class _RoundStep:
 
     def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
         self.theta = CheckpointReader(global_dir(plan, r))
-        self.deltas = [CheckpointReader(delta_dir(plan, r, k)) for k in workers]
-        self.trained = [n for n in self.deltas[0].info if not n.endswith(SCALE_SUFFIX)]
-        for name in self.trained:
-            if name not in self.theta.info:
-                raise MergeInputError(f"{self.deltas[0].path}: tensor {name} is not in {self.theta.path}")
+        self.deltas = [open_payload(delta_dir(plan, r, k), self.theta) for k in workers]
+        self.trained = self.deltas[0].trained
         self.outer, self.previous = outer_of(plan.method), outer_state(plan, r)
         self.weights, self.device, self.block_bytes = weights, device, block_mb << 20
         self.labels = [f"worker {k} round {r}" for k in workers]
@@ -313,7 +289,7 @@ class _RoundStep:
     def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """θ's new value and its momentum buffer, on the CPU."""
         method, params = choose(name, self.rules)
-        readers = [delta_reader(d, name, self.theta.info[name].shape) for d in self.deltas]
+        readers = [d.delta(name) for d in self.deltas]
         inputs = TensorInputs(
             name,
             self.theta.info[name].shape,
@@ -354,16 +330,16 @@ def _record(
     workers: list[int],
     metas: list[dict[str, Any]],
     theta: CheckpointReader,
-    deltas: list[CheckpointReader],
+    deltas: list[Payload],
     parts: list[dict[str, Any]],
 ) -> dict:
-    """The round as the report shows it. Bytes: each worker sends its payload and receives the
-    trained tensors of the new global in fp32; each aggregator (part) reads its share of every
-    payload twice, θ's and the momentum's; data-parallel training of the same tokens would
-    all-reduce fp32 gradients every inner step: with a ring, 2 (R − 1) / R of them sent by each
-    worker (and as many received)."""
-    trained = [n for n in deltas[0].info if not n.endswith(SCALE_SUFFIX)]
-    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in trained)
+    """The round as the report shows it. Bytes: each worker sends its payload (what it stores: a
+    LoRA worker's adapter factors, not the dense Δ they stand for) and receives the trained
+    tensors of the new global in fp32 (dense, LoRA or not); each aggregator (part) reads its share
+    of every payload twice, θ's and the momentum's; data-parallel training of the same tokens
+    would all-reduce the fp32 gradients of what trains (the adapters, for LoRA workers) every
+    inner step: with a ring, 2 (R − 1) / R of them sent by each worker (and as many received)."""
+    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in deltas[0].trained)
     meter = DriftMeter(len(workers))
     meter.gram = sum(torch.tensor(part["gram"], dtype=torch.float64) for part in parts)
     seconds = {k: round(sum(part["seconds"][k] for part in parts), 4) for k in ("drift", "merge", "outer")}
@@ -377,10 +353,10 @@ def _record(
         "mean_cosine": meter.mean_cosine(),
         "aggregators": len(parts),
         "bytes": {
-            "sent": sum(sum(i.nbytes for i in d.info.values()) for d in deltas),
+            "sent": sum(d.sent for d in deltas),
             "received": len(workers) * fp32,
             "aggregator_read": max(part["read"] for part in parts),  # the busiest aggregator's
-            "data_parallel": plan.inner_steps * 2 * (plan.size - 1) * fp32,  # sent, by all workers
+            "data_parallel": plan.inner_steps * 2 * (plan.size - 1) * deltas[0].gradient,  # sent, by all workers
         },
         "seconds": {
             "inner": max(m["seconds"]["inner"] for m in metas),

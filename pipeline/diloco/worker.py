@@ -14,6 +14,9 @@ reload of θ0 (at toy scale those take longer than 50 inner steps). Each round:
 A worker killed at any point restarts from its last checkpoint: a payload saved but not
 published is published; a round not saved is trained again from the same global, with the same
 batches, to the same result.
+
+A LoRA worker (``train.finetuning_type: lora``) sets the base weights in step 2 and trains a fresh
+adapter each round, whose factors are its payload (:mod:`pipeline.diloco.lora`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.checkpoint import is_complete, staged_dir, write_json_atomic, write_manifest
 from pipeline.diloco.asynchronous import start_payload
 from pipeline.diloco.compress import compress_with_feedback, payload_infos
+from pipeline.diloco.lora import LoraWeights, round_seed, save_adapter
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.diloco.rounds import MAX_SHARD, POLL_S, Clock, aborted, delta_dir, global_dir, rounds_done, send
 from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
@@ -136,6 +140,26 @@ def write_payload(
     return kept
 
 
+def write_adapter_payload(
+    job: WorkerJob, r: int, base: int, lora: LoraWeights, peft, folder: Path, rank: int, **meta
+) -> None:
+    """A LoRA worker's payload of round r (async: its r-th) trained from global ``base``: its
+    adapter from the fp32 masters (bf16 with ``diloco.compression: bf16``), a PEFT adapter folder in
+    ``folder/delta`` (rank 0; the other ranks take part in gathering the masters)."""
+    if rank != 0:
+        for _ in lora.masters():
+            pass
+        return
+    plan = job.plan
+    dtype = torch.bfloat16 if plan.compression == "bf16" else torch.float32
+    state = {name: value.to(dtype) for name, value in lora.masters()}
+    with staged_dir(folder) as tmp:
+        out = tmp / PAYLOAD
+        out.mkdir()
+        save_adapter(peft, state, out, str(global_dir(plan, base)))
+        write_manifest(out, kind="diloco_delta", round=r, worker=job.index, base=base, lora=True, **meta)
+
+
 def keep_residual(residual: dict | None, folder: Path, rank: int) -> None:
     """A round's checkpoint extra without a payload: the error-feedback residual only."""
     if rank == 0:
@@ -160,7 +184,9 @@ def main(job_path: str) -> None:
     plan = job.plan
     branch = Branch.start(job.spec)
     launch_s = time.time() - psutil.Process().create_time()  # process start, imports, engine, resume
-    params, rank = disk_names(branch.engine.model), branch.rank.rank
+    peft, rank = branch.engine.peft, branch.rank.rank
+    lora = LoraWeights.of(branch.engine.model, CheckpointReader(plan.init).info) if peft is not None else None
+    params = disk_names(branch.engine.model) if lora is None else lora.trained
     slow = plan.slow_workers.get(job.index, 1.0)
     check_masters(params)
     saved = branch.checkpointer.latest()
@@ -177,7 +203,12 @@ def main(job_path: str) -> None:
             if r >= plan.rounds:  # a straggler left out of the last round: the run is over
                 break
             waited = clock.lap()
-            if base > 0 or branch.state.rounds > 0:
+            if lora is not None:  # the global's base weights (round 0: θ0's, as loaded), a fresh adapter
+                if base > 0 or branch.state.rounds > 0:
+                    lora.set_base(global_dir(plan, base))
+                seed = round_seed(branch.spec.config.run.seed, job.index, r)
+                lora.fresh_adapters(seed, branch.engine.engine.optimizer)
+            elif base > 0 or branch.state.rounds > 0:
                 set_weights(params, str(global_dir(plan, base)))
             loaded, before = clock.lap(), branch.state
             for _ in range(steps):
@@ -197,6 +228,8 @@ def main(job_path: str) -> None:
                 # A straggler: the round was aggregated without it (quorum mode) and its global may
                 # be gone; its Δ is dropped, its residual kept, and it joins the newest global.
                 keep_residual(residual, pending, rank)
+            elif lora is not None:
+                write_adapter_payload(job, r, base, lora, peft, pending, rank, **meta)
             else:
                 residual = write_payload(job, r, base, params, residual, pending, rank, **meta)
             branch.state = replace(branch.state, rounds=r + 1)
