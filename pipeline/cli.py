@@ -211,6 +211,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if args.methods is None:
             args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
         if args.slow:  # stragglers: the workers as processes, sync modes compared in wall time
+            if args.lora_rank:
+                raise SystemExit("merit: error: --lora-rank is for the quality bench (without --slow)")
             importlib.import_module("pipeline.bench.stragglers").main(args)
             return
     importlib.import_module(f"pipeline.bench.{args.what}").main(args)
@@ -368,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "bf16", "int8", "int4"],
         default=["none"],
         help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
+    )
+    bench.add_argument(
+        "--lora-rank",
+        type=int,
+        nargs="+",
+        metavar="R",
+        help="also each DiLoCo method with LoRA workers of these ranks: a fresh adapter (alpha 2 × rank, every "
+        "linear layer but lm_head) each round, its factors sent in fp32",
     )
     bench.add_argument(
         "--out",

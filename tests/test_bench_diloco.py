@@ -16,6 +16,7 @@ from pipeline.bench.diloco import (
     EOD,
     MAX_FILE_BYTES,
     Learner,
+    lm_loss,
     load_corpus,
     run_diloco,
     shard_batches,
@@ -52,6 +53,36 @@ def test_averaging_sets_the_global_weights_to_the_workers_mean():
         assert not torch.equal(trained[0][name], trained[1][name])  # the shards differ
     params = sum(p.numel() for p in model0.parameters())
     assert run.curve[0]["bytes_sent"] == 2 * 4 * params
+
+
+def test_lora_workers_move_only_their_adapted_tensors_by_a_low_rank_step_and_send_the_factors():
+    """R = 2 LoRA workers of rank 2, plain averaging, two rounds: each round a fresh adapter (B = 0:
+    the worker starts as the global, its AdamW moments at zero, the step count going on); the
+    global moves by at most R · r = 4 directions a round on each adapted tensor and nowhere else;
+    each worker sends 4·r(m + n) bytes per adapted m × n tensor."""
+    from pipeline.bench.diloco import LoraLearner
+
+    torch.manual_seed(1)
+    train, heldout = torch.randint(0, EOD + 1, (40, CONTEXT + 1)), torch.randint(0, EOD + 1, (4, CONTEXT + 1))
+    model0 = tiny_qwen2()
+    theta0 = {n: t.clone() for n, t in model0.state_dict().items()}
+    run = run_diloco(model0, train, heldout, workers=2, inner_steps=2, rounds=1, method="average", lora_rank=2)
+    linears = {n: m for n, m in model0.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert run.curve[0]["bytes_sent"] == 2 * 4 * sum(2 * (m.in_features + m.out_features) for m in linears.values())
+    for name, theta in run.model.state_dict().items():
+        if name.removesuffix(".weight") in linears:
+            assert 0 < torch.linalg.matrix_rank(theta - theta0[name]) <= 4, name
+        else:
+            assert torch.equal(theta, theta0[name]), name  # embeddings, norms, biases, lm_head: θ0's
+
+    learner, global_model = LoraLearner(model0, steps=4, rank=2), run.model
+    learner.start_round(global_model.state_dict(), seed=0)
+    learner.train([train[:2], train[2:4]])
+    learner.start_round(global_model.state_dict(), seed=1)
+    batch = heldout[:2]
+    assert torch.allclose(lm_loss(learner.model, batch), lm_loss(global_model, batch), atol=1e-6)  # B = 0
+    states = [learner.optimizer.state[p] for p in learner.optimizer.param_groups[0]["params"]]
+    assert all(int(s["step"]) == 2 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
 
 
 def test_a_learner_clips_its_gradients_before_each_step():

@@ -18,6 +18,15 @@ Bytes are counted as sent by all R workers together: a DiLoCo round sends each �
 compressed (R · 4P in fp32; ``--compression bf16 int8 int4`` adds variants, each with error
 feedback); data-parallel is a ring all-reduce of the fp32 gradients every step (2(R − 1)/R · 4P
 per worker, 2(R − 1) · 4P in all).
+
+``--lora-rank r`` adds a LoRA variant of each DiLoCo method, as the run's LoRA workers train
+(:mod:`pipeline.diloco.lora`): each round each worker trains a fresh PEFT LoRA adapter (rank r,
+alpha 2r, on every linear layer but ``lm_head``, as LLaMA-Factory's ``lora_target: all``) on the
+global weights: A Kaiming-uniform and B = 0 drawn from (seed, worker, round), its AdamW moments
+restarted from zero (the step count and the lr schedule go on). Its pseudo-gradient is
+Δ_k = −(alpha / r)·B A on the adapted tensors (and nothing elsewhere: the embeddings, norms and
+``lm_head`` stay θ0's), aggregated by the same library call and outer step; it sends the factors,
+R · 4·r(m + n) bytes per adapted m × n tensor a round, in fp32.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.diloco import DILOCO, ISOLOCO, OuterSGD, aggregate
+from pipeline.diloco.aggregate import aggregate_deltas
 from pipeline.merge import Rule
+from pipeline.merge.io import TensorInfo
 from pipeline.train.engine import lr_lambda
 
 CONTEXT, EOD = 128, 256  # a window is CONTEXT inputs plus the shifted targets: CONTEXT + 1 ids
@@ -169,6 +180,36 @@ class Learner:
         return norms
 
 
+class LoraLearner(Learner):
+    """A DiLoCo worker that trains a fresh LoRA adapter on the global weights each round (rank r,
+    alpha 2r, every linear layer but ``lm_head``); its AdamW steps the adapters only."""
+
+    def __init__(self, model0: Qwen2ForCausalLM, steps: int, rank: int):
+        from peft import LoraConfig, get_peft_model
+
+        from pipeline.diloco.lora import LoraWeights
+
+        model = copy.deepcopy(model0)
+        targets = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head")
+        get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))  # in place
+        self.model = model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
+        names = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in model0.state_dict().items()}
+        self.weights = LoraWeights.of(model, names)
+
+    def start_round(self, theta: dict[str, torch.Tensor], seed: int) -> None:
+        """The global's weights under a fresh adapter, its moments from zero."""
+        self.weights.set_base(theta)
+        self.weights.fresh_adapters(seed, self.optimizer)
+
+    @property
+    def payload_bytes(self) -> int:
+        """The adapter's factors in fp32: what the worker sends a round."""
+        return self.weights.stored_bytes()
+
+
 @dataclass
 class Run:
     """One method's run: its global model at the end and the curve of rounds 1 to T (θ0, the same
@@ -195,33 +236,51 @@ def run_diloco(
     method: str,
     seed: int = 0,
     compression: str = "none",
+    lora_rank: int | None = None,
 ) -> Run:
     """R workers, H inner steps each from the global weights, then the library's outer step (the
-    pseudo-gradients compressed as sent, with error feedback when compressed)."""
+    pseudo-gradients compressed as sent, with error feedback when compressed). With ``lora_rank``
+    the workers train a fresh LoRA adapter each round and send its factors (fp32)."""
+    from pipeline.diloco.lora import round_seed
+
+    if lora_rank is not None and compression != "none":
+        raise ValueError("LoRA workers send their adapter's factors in fp32 here: compression none")
     outer, merge_method = OUTER[method]
     rules = [Rule(pattern="*", method=merge_method)]
     run = Run(copy.deepcopy(model0))
     theta = run.model.state_dict()  # the global model's own tensors: aggregate steps them in place
-    learners = [Learner(copy.deepcopy(model0), steps=inner_steps * rounds) for _ in range(workers)]
+    steps = inner_steps * rounds
+    if lora_rank is None:
+        learners = [Learner(copy.deepcopy(model0), steps=steps) for _ in range(workers)]
+    else:
+        learners = [LoraLearner(model0, steps, lora_rank) for _ in range(workers)]
     streams = shard_batches(len(train), workers, seed)
     momentum: dict[str, torch.Tensor] = {}
     residuals = None if compression == "none" else [{} for _ in range(workers)]
-    for _ in tqdm(range(rounds), desc=f"R={workers} {method} {compression}", unit="round", leave=False):
+    kind = compression if lora_rank is None else f"LoRA r{lora_rank}"
+    for t in tqdm(range(rounds), desc=f"R={workers} {method} {kind}", unit="round", leave=False):
         start = time.perf_counter()
-        for learner, stream in zip(learners, streams):
-            learner.model.load_state_dict(theta)
+        for k, (learner, stream) in enumerate(zip(learners, streams)):
+            if lora_rank is None:
+                learner.model.load_state_dict(theta)
+            else:
+                learner.start_round(theta, round_seed(seed, k, t))
             learner.train(train[next(stream)] for _ in range(inner_steps))
         trained = time.perf_counter()
-        stats = aggregate(
-            theta,
-            [w.model.state_dict() for w in learners],
-            [1.0] * workers,
-            rules,
-            outer,
-            momentum,
-            compression=compression,
-            residuals=residuals,
-        )
+        if lora_rank is None:
+            stats = aggregate(
+                theta,
+                [w.model.state_dict() for w in learners],
+                [1.0] * workers,
+                rules,
+                outer,
+                momentum,
+                compression=compression,
+                residuals=residuals,
+            )
+        else:
+            deltas, sent = [w.weights.deltas() for w in learners], sum(w.payload_bytes for w in learners)
+            stats = aggregate_deltas(theta, deltas, [1.0] * workers, rules, outer, momentum, sent)
         aggregated = time.perf_counter()
         run.record(
             heldout,
@@ -262,13 +321,22 @@ def run_method(
     inner_steps: int,
     rounds: int,
     compression: str = "none",
+    lora_rank: int | None = None,
 ) -> dict:
     start = time.perf_counter()
     if method == "dp":
         run = run_dp(model0, corpus.train, corpus.heldout, workers, inner_steps, rounds)
     else:
         run = run_diloco(
-            model0, corpus.train, corpus.heldout, workers, inner_steps, rounds, method, compression=compression
+            model0,
+            corpus.train,
+            corpus.heldout,
+            workers,
+            inner_steps,
+            rounds,
+            method,
+            compression=compression,
+            lora_rank=lora_rank,
         )
     final = run.curve[-1]
     return {
@@ -279,9 +347,19 @@ def run_method(
     }
 
 
-def variants(methods: list[str], compressions: list[str]) -> list[tuple[str, str]]:
-    """(method, compression) pairs to run: data-parallel once (it sends gradients, not payloads)."""
-    return [(m, c) for m in methods for c in (["none"] if m == "dp" else compressions)]
+def variants(
+    methods: list[str], compressions: list[str], lora_ranks: list[int] = ()
+) -> list[tuple[str, str, int | None]]:
+    """(method, compression, LoRA rank) to run: data-parallel once (it sends gradients, not
+    payloads); each DiLoCo method in every compression, then with LoRA workers of every rank (fp32)."""
+    dense = [(m, c, None) for m in methods for c in (["none"] if m == "dp" else compressions)]
+    return dense + [(m, "none", r) for m in methods if m != "dp" for r in lora_ranks]
+
+
+def label(method: str, compression: str, lora_rank: int | None) -> str:
+    if lora_rank is not None:
+        return f"{method} LoRA r{lora_rank}"
+    return method if compression == "none" else f"{method} {compression}"
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:
@@ -362,9 +440,20 @@ def write_results(
         "2(R−1)·4P a step (dp, ring all-reduce)",
         "compression": args.compression,
         "error_feedback": "on for every compressed variant",
+        "lora": {
+            "ranks": lora_ranks(args),
+            "alpha": "2 × rank",
+            "targets": "every linear layer but lm_head",
+            "each round": "a fresh adapter on the global (A Kaiming-uniform, B = 0; AdamW moments from 0, "
+            "step count and lr schedule continued); Δ = −(alpha / r)·B A, factors sent in fp32",
+        },
     }
     figures = {"setting": setting, "initial_loss": initial, "results": {f"R={w}": m for w, m in results.items()}}
     (out / "results.json").write_text(json.dumps(figures, indent=1))
+
+
+def lora_ranks(args: argparse.Namespace) -> list[int]:
+    return list(getattr(args, "lora_rank", None) or [])
 
 
 def main(args: argparse.Namespace) -> None:
@@ -388,9 +477,10 @@ def main(args: argparse.Namespace) -> None:
     results: dict[int, dict[str, dict]] = {}
     for workers in args.workers:
         methods = results[workers] = {}
-        for method, compression in variants(args.methods, args.compression):
-            label = method if compression == "none" else f"{method} {compression}"
-            methods[label] = run_method(method, model0, corpus, workers, args.inner_steps, args.rounds, compression)
+        for method, compression, rank in variants(args.methods, args.compression, lora_ranks(args)):
+            methods[label(method, compression, rank)] = run_method(
+                method, model0, corpus, workers, args.inner_steps, args.rounds, compression, rank
+            )
             write_results(out, args, corpus, params, initial, results)  # a long run keeps what it has
         compare_with_dp(methods)
         write_results(out, args, corpus, params, initial, results)
@@ -399,7 +489,7 @@ def main(args: argparse.Namespace) -> None:
     print(f"\n{summary_table(results)}")
     print(
         "\nbytes sent: by all R workers together; DiLoCo methods send each Δ_k once a round, as compressed "
-        "(R · 4P in fp32), "
+        "(R · 4P in fp32; LoRA workers their adapter's factors, 4·r(m + n) a tensor), "
         "data-parallel is a ring all-reduce of the gradients every step (2(R − 1) · 4P); "
         "wall s: training, aggregation and the held-out evaluation of every round"
     )
