@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.checkpoint import write_text_atomic
 from pipeline.merge.registry import get_method
 from pipeline.merge.rules import Rule, rules_for
 
@@ -153,7 +154,8 @@ class CalibrationSection(Section):
     # blocks' 2-D weights.
     params: list[str] = ["model.language_model.layers.*"]
     matrices_only: bool = True
-    sketch: Literal["stride", "projection"] = "projection"  # measured: README, "Calibration"
+    # projection: CountSketch, ~10x more accurate than stride at equal dim (docs: concepts/merit).
+    sketch: Literal["stride", "projection"] = "projection"
     dim: int = Field(16384, ge=16)
     centre: bool = False  # subtract the mean gradient before the cosines
     # The principal axes of C: PCA of the column-centred C (the paper's) or eigenvectors of C itself.
@@ -428,7 +430,7 @@ class FlowSection(Section):
     # Controls: the same K, budget and merges on another split from the same θ0, in controls/<name>/.
     # random: the Random-K split, which tells whether the conflict-aware split is what pays off.
     controls: list[Literal["random"]] = []
-    # A deployment of the merit-branch flow (e.g. "merit-branch/gpu"): every branch then trains as
+    # A deployment of the merit-branch flow (e.g. "merit-branch/branch-gpu"): every branch then trains as
     # a flow run of its own on that deployment's work pool, one machine each; the run directory
     # must be shared. Default: tasks of this flow run, sharing this machine's GPUs.
     branch_deployment: str | None = None
@@ -436,9 +438,11 @@ class FlowSection(Section):
     # with branch_deployment: every branch at once
     branch_retries: int = Field(2, ge=0)  # a retry resumes from the branch's last checkpoint
     retry_delay_s: float = Field(10.0, ge=0)
-    # With branch_deployment: each branch's flow run beats a heartbeat into the run directory; one
-    # that is Running but silent this long has lost its machine, and is crashed and resubmitted.
+    # With branch_deployment (or diloco.aggregator_deployment): each remote flow run beats a
+    # heartbeat into the run directory this often...
     heartbeat_s: float = Field(30.0, gt=0)
+    # ... and one that is Running but silent this long has lost its machine: it is crashed and
+    # resubmitted.
     branch_stale_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
@@ -595,7 +599,4 @@ def _describe(err: ValidationError) -> str:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    tmp.replace(path)
+    write_text_atomic(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
