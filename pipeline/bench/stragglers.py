@@ -433,6 +433,9 @@ def run_rounds(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor], mo
                 busy.add(k)
             if len(fresh) < quorum:
                 continue
+            # In worker order, not arrival order: the same sums in the same order in every run
+            # (with momentum, rounding differences grow over the rounds).
+            fresh.sort(key=lambda p: p["worker"])
             entries = [(p, version - p["base"]) for p in fresh + late]
             weights = [p["tokens"] / (1 + s) for p, s in entries]
             outer.step_all(theta, merge_state_dicts([_delta(p, theta) for p, _ in entries], weights, rules), momentum)
