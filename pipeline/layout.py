@@ -22,6 +22,7 @@ DILOCO_PLAN = "plan.json"  # a DiLoCo variant's settings, in its folder
 EVAL = "eval"  # eval/<model>.json
 DIAGNOSTICS = "diagnostics.json"  # eval/diagnostics.json: loss barrier between branches, distances from θ0
 REPORT = "report"
+BENCH = "bench"  # bench/<name>/: what a `merit bench` command trains or writes inside a run directory
 
 
 def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Path | None) -> tuple[RunConfig, Path]:
@@ -82,6 +83,10 @@ def training_dir(run_dir: str | Path, name: str) -> Path:
         variant, k = name.split("/")
         return diloco_dir(run_dir, variant) / "workers" / k
     return Path(run_dir) / name if name in (WARMUP, JOINT) else branch_dir(run_dir, int(name))
+
+
+def bench_dir(run_dir: str | Path, name: str) -> Path:
+    return Path(run_dir) / BENCH / name
 
 
 def merged_dir(run_dir: str | Path, name: str) -> Path:

@@ -150,7 +150,7 @@ BRANCH_SOURCES = ["colour_name", "add_digits", "caption"]
 
 def prepared_run(run: Path) -> Path:
     """The demo at branch-test size, initialised and prepared by the CLI: θ0 and data for branches."""
-    from pipeline.cli import main as merit
+    from merit.cli import main as merit
 
     demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
     small = ["--set", "data.builtin.examples_per_source=24", "--set", "warmup.steps=0"]
@@ -163,7 +163,7 @@ def golden_run(run: Path) -> Path:
     """A run on the inputs frozen in tests/golden (``freeze.py``): θ0 a folder, read as a downloaded
     model is, and one LLaVA-format source, ``golden``; no change to the built-in corpus or to the
     tiny model's builder moves what trains on it (the golden loss curve)."""
-    from pipeline.cli import main as merit
+    from merit.cli import main as merit
 
     demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
     source = f"{{name: golden, format: llava, path: {GOLDEN / 'data' / 'golden.json'}}}"

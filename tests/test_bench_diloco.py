@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.bench.diloco import (
+from benchmarks.diloco import (
     CLIP,
     CONTEXT,
     EOD,
@@ -60,7 +60,7 @@ def test_lora_workers_move_only_their_adapted_tensors_by_a_low_rank_step_and_sen
     the worker starts as the global, its AdamW moments at zero, the step count going on); the
     global moves by at most R · r = 4 directions a round on each adapted tensor and nowhere else;
     each worker sends 4·r(m + n) bytes per adapted m × n tensor."""
-    from pipeline.bench.diloco import LoraLearner
+    from benchmarks.diloco import LoraLearner
 
     torch.manual_seed(1)
     train, heldout = torch.randint(0, EOD + 1, (40, CONTEXT + 1)), torch.randint(0, EOD + 1, (4, CONTEXT + 1))
@@ -105,7 +105,7 @@ def test_a_learner_clips_its_gradients_before_each_step():
 def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_path, capsys):
     """One aggregator reads every payload twice, θ and the momentum: (2R + 2) payloads' bytes
     (fp32, every tensor trained); S aggregators each about 1/S of it."""
-    from pipeline.bench.aggregators import main
+    from benchmarks.aggregators import main
 
     main(SimpleNamespace(workers=[2], size="small", compression="none", method="iso_c", workdir=str(tmp_path)))
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
@@ -141,7 +141,7 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
     slow worker's first payload (one slowed step, about 3 such rounds: measured at round 3 of 8 on
     2 busy cores) arrives late. Async, H = 3, T = 3: its slow worker trains H + T − 1 = 5 slowed
     steps (DyLU: 1 a payload after its first) against sync's T·H = 9."""
-    from pipeline.bench.stragglers import Pool, Setting, run_bench
+    from benchmarks.stragglers import Pool, Setting, run_bench
 
     R, T = 2, 8
     with Pool(small_corpus.train, small_corpus.heldout, R) as pool:
@@ -193,7 +193,7 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
 
 
 def test_dylu_steps_follow_the_measured_speeds():
-    from pipeline.bench.stragglers import dylu_steps
+    from benchmarks.stragglers import dylu_steps
 
     assert dylu_steps(30, {}, 0) == 30  # not measured yet
     speeds = {0: 10.0, 1: 10 / 3, 2: 0.1}
@@ -201,7 +201,7 @@ def test_dylu_steps_follow_the_measured_speeds():
 
 
 def test_a_worker_failure_surfaces_with_its_traceback_and_no_process_outlives_the_pool(small_corpus):
-    from pipeline.bench.stragglers import Pool, WorkerFailed
+    from benchmarks.stragglers import Pool, WorkerFailed
 
     with (
         pytest.raises(WorkerFailed, match="unknown message 'nonsense'") as failure,
@@ -222,7 +222,7 @@ def test_a_worker_failure_surfaces_with_its_traceback_and_no_process_outlives_th
     ],
 )
 def test_the_straggler_bench_refuses_what_it_cannot_run(argv, message):
-    from pipeline.cli import main
+    from merit.cli import main
 
     argv = ["bench", "diloco", "--slow", "1:3", *argv] if "--slow" not in argv else ["bench", "diloco", *argv]
     with pytest.raises(SystemExit, match=message):

@@ -5,6 +5,7 @@ each case's own report, and mean ± std computed as the formula says."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -13,8 +14,8 @@ from statistics import mean, stdev
 import pytest
 from scipy import stats
 
-from pipeline.bench.quality import aggregate, factor_table, paired, plan_cases
-from pipeline.cli import build_parser, main
+from benchmarks.quality import add_arguments, aggregate, factor_table, paired, plan_cases
+from merit.cli import main
 from pipeline.data.builtin import CONFLICTS
 
 ROOT = Path(__file__).parent.parent
@@ -37,9 +38,16 @@ def bench_args(workdir: Path, *extra: str) -> list[str]:
     return ["bench", "quality", str(ROOT / "configs/benchmark.yaml"), "--workdir", str(workdir), *sets, *extra]
 
 
+def parsed(*extra: str) -> argparse.Namespace:
+    """The quality bench's options as ``merit bench quality`` parses them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(bench_args(Path("w"), *extra)[2:])
+
+
 def test_cases_share_theta0_only_where_it_is_the_same():
     factors = ["--factors", "pca", "lr", "warmup", "width"]
-    args = build_parser().parse_args(bench_args(Path("w"), "--seeds", "0", "1", "--k", "2", "4", *factors))
+    args = parsed("--seeds", "0", "1", "--k", "2", "4", *factors)
     cases = {c.name: c for c in plan_cases(args)}
     assert cases["cued-s1-k4"].base == "cued-s1" and "calibration.r=2" in cases["cued-s1-k4"].overrides
     assert "merge.methods=[{name: token_average, method: weighted_average}]" in cases["cued-s1-k4"].overrides
@@ -55,15 +63,13 @@ def test_cases_share_theta0_only_where_it_is_the_same():
     assert all("flow.controls=[random]" in c.overrides for c in cases.values() if "factor" not in c.labels)
     # Seeds past --full-seeds: MERIT at the smallest K and the 1-epoch joint only (no larger K, no
     # Random-K, no 0.5/2-epoch joint, no factors).
-    args = build_parser().parse_args(
-        bench_args(Path("w"), "--seeds", "0", "1", "--full-seeds", "1", "--factors", "pca")
-    )
+    args = parsed("--seeds", "0", "1", "--full-seeds", "1", "--factors", "pca")
     cases = {c.name: c for c in plan_cases(args)}
     assert "flow.controls=[]" in cases["cued-s1"].overrides and "cued-s1-joint2" not in cases
     assert {c for c in cases if c.startswith("pca")} == {"pca-uncentred-s0"}
     assert "cued-s0-k8" in cases and "cued-s1-k8" not in cases
     # Without warmup.lr the warm-up trains at train.lr: a learning-rate level makes its own θ0.
-    args = build_parser().parse_args(bench_args(Path("w"), "--k", "4", "--set", "warmup.lr=null", *factors))
+    args = parsed("--k", "4", "--set", "warmup.lr=null", *factors)
     cases = {c.name: c for c in plan_cases(args)}
     assert cases["lr-3e-4-s0"].base is None and cases["pca-uncentred-s0"].base == "cued-s0"
     assert cases["width-128-s0"].labels["K"] == 4 and "calibration.r=2" in cases["width-128-s0"].overrides

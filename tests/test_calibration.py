@@ -13,7 +13,7 @@ from conftest import small_config
 from calibration.errors import CalibrationError, SplitError
 from calibration.gradients import Sketch, calibration_sample, estimate_source_gradients, select_parameters
 from calibration.split import conflict_matrix, plan_split
-from pipeline.cli import main as merit
+from merit.cli import main as merit
 from pipeline.data import Collator, Encoder, active_sources, load_sources, read_manifest
 from pipeline.data.builtin import CONFLICT_KINDS, CONFLICTS
 from pipeline.models import build_tiny_model, load_model

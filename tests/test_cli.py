@@ -1,5 +1,5 @@
 """The `merit` command: its entry point as a real subprocess once, then its commands in-process
-(``pipeline.cli.main``, the same function, without paying the imports again)."""
+(``merit.cli.main``, the same function, without paying the imports again)."""
 
 import subprocess
 import sys
@@ -8,16 +8,14 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.cli import main
+from merit.cli import main
 
 ROOT = Path(__file__).parent.parent
 SMALL = ["--set", "data.builtin.examples_per_source=10", "--set", "warmup.steps=0"]
 
 
 def merit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-m", "merit", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def merit_in_process(capsys, *args: str) -> subprocess.CompletedProcess:

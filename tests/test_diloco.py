@@ -20,19 +20,19 @@ from conftest import prepared_run
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
+from benchmarks.aggregators import fabricate_round
 from flows.diloco import diloco
-from pipeline.bench.aggregators import fabricate_round
 from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.aggregate import AsyncOuter
 from pipeline.diloco.compress import INT4_BLOCK, payload_infos
 from pipeline.diloco.loop import run_rounds
+from pipeline.diloco.payload import delta_reader
 from pipeline.diloco.plan import diloco_plan, plan_of, shards
 from pipeline.diloco.rounds import (
     abort,
     aggregate_round,
-    delta_reader,
     global_dir,
     parts_dir,
     recover,
@@ -188,7 +188,19 @@ NESTEROV_INT4 = ["diloco.compression=int4", "diloco.error_feedback=true", "diloc
 PARTS = ["diloco.aggregators=2"]  # aggregated by two tasks at once
 
 
-def kill_when(path: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def kill_flow_when(path: Path, run_dir: Path, settings: list[str], timeout_s: float = 300) -> None:
+    """``merit run --flow diloco`` with ``settings`` on ``run_dir``, in a process group of its own
+    (against the tests' Prefect API), SIGKILLed with everything it started once ``path`` exists."""
+    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
+    cli = [sys.executable, "-m", "merit", "run", DEMO, "--run-dir", str(run_dir), "--flow", "diloco"]
+    proc = subprocess.Popen(
+        [*cli, *[a for s in settings for a in ("--set", s)]],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + timeout_s
     while not path.is_file():
         assert proc.poll() is None and time.monotonic() < deadline, "the flow ended before it could be killed"
@@ -204,17 +216,7 @@ def test_a_killed_flow_resumes_to_the_same_global_weights(prefect_api, tmp_path)
     settings = [*OVERRIDES, AVERAGE, *NESTEROV_INT4, *PARTS]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert run_flow(whole, AVERAGE, *NESTEROV_INT4).is_completed()
-    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
-    cli = [sys.executable, "-m", "pipeline.cli", "run", DEMO, "--run-dir", str(killed), "--flow", "diloco"]
-    proc = subprocess.Popen(
-        [*cli, *[a for s in settings for a in ("--set", s)]],
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    kill_when(killed / "diloco" / "avg-iid" / "global" / "1" / "manifest.json", proc)
+    kill_flow_when(killed / "diloco" / "avg-iid" / "global" / "1" / "manifest.json", killed, settings)
     assert not (killed / "diloco" / "avg-iid" / "global" / "3").exists()
     assert run_flow(killed, AVERAGE, *NESTEROV_INT4, *PARTS).is_completed()
     expected = global_weights(whole, "avg-iid", 3)
@@ -311,17 +313,7 @@ def test_in_async_mode_payloads_apply_as_they_arrive_and_a_slow_worker_trains_fe
 
     replay, cfg = tmp_path / "replay", [*OVERRIDES, AVERAGE, *NESTEROV_INT4, *ASYNC]
     settings = [*cfg, f"diloco.replay={folder / 'arrivals.json'}"]
-    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
-    cli = [sys.executable, "-m", "pipeline.cli", "run", DEMO, "--run-dir", str(replay), "--flow", "diloco"]
-    proc = subprocess.Popen(
-        [*cli, *[a for s in settings for a in ("--set", s)]],
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    kill_when(replay / "diloco" / "avg-iid" / "global" / "2" / "manifest.json", proc)
+    kill_flow_when(replay / "diloco" / "avg-iid" / "global" / "2" / "manifest.json", replay, settings)
     assert not (replay / "diloco" / "avg-iid" / "global" / "6").exists()
     assert run_flow(replay, AVERAGE, *NESTEROV_INT4, *ASYNC, settings[-1]).is_completed()
     assert json.loads((replay / "diloco" / "avg-iid" / "arrivals.json").read_text()) == order

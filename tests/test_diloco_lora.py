@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import prefect.settings
 import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from test_diloco import AVERAGE, DEMO, OVERRIDES, ROOT, kill_when, run_flow
+from test_diloco import AVERAGE, DEMO, OVERRIDES, kill_flow_when, run_flow
 from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import read_manifest, write_manifest
@@ -140,17 +136,7 @@ def test_a_killed_lora_flow_resumes_to_the_same_global_weights(lora_flow, tmp_pa
     and restarted) and redraws the same fresh adapter, so the run ends as the undisturbed one."""
     killed = tmp_path / "killed"
     settings = [*OVERRIDES, AVERAGE, *LORA]
-    env = {**os.environ, "PREFECT_API_URL": prefect.settings.PREFECT_API_URL.value()}
-    cli = [sys.executable, "-m", "pipeline.cli", "run", DEMO, "--run-dir", str(killed), "--flow", "diloco"]
-    proc = subprocess.Popen(
-        [*cli, *[a for s in settings for a in ("--set", s)]],
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    kill_when(global_dir_of(killed, 1) / "manifest.json", proc)
+    kill_flow_when(global_dir_of(killed, 1) / "manifest.json", killed, settings)
     assert not global_dir_of(killed, 2).exists()
     assert run_flow(killed, AVERAGE, *LORA).is_completed()
     logs = [(w / "train.log").read_text() for w in (killed / "diloco" / VARIANT / "workers").iterdir()]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from merit.cli import main as merit
 from pipeline.checkpoint import save_pretrained_checkpoint
-from pipeline.cli import main as merit
 from pipeline.config import load_config
 from pipeline.data import IGNORE_INDEX, Collator, Encoder, load_split, prepare_data
 from pipeline.eval import evaluate_model

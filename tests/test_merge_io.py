@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from merit.cli import main as merit
 from pipeline.checkpoint import verify_checkpoint
-from pipeline.cli import main as merit
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import INDEX
 
@@ -283,7 +283,7 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
     import signal
     import time
 
-    from pipeline.bench.merge import generate
+    from benchmarks.merge import generate
 
     base, models = generate(tmp_path, 3, size_mb=48)
     out = tmp_path / "merged"
@@ -299,7 +299,7 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
             }
         )
     )
-    command = [sys.executable, "-m", "pipeline.cli", "merge", str(spec_file)]
+    command = [sys.executable, "-m", "merit", "merge", str(spec_file)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not any(p.glob("*.safetensors") for p in tmp_path.glob(".merged.tmp-*")):

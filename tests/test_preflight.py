@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import hub_snapshot
 
+from merit.cli import main as merit
 from pipeline.checkpoint import checkpoint_id
-from pipeline.cli import main as merit
 from pipeline.config import ConfigError, load_config
 from pipeline.hub import ModelNotFoundError, resolve_model
 from pipeline.layout import base_path, start_run

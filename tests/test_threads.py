@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.bench.merge import generate
+from benchmarks.merge import generate
 from pipeline.threads import available_cpus, cgroup_quota, map_chunks, threads_per_process
 from pipeline.train.launch import rank_environment
 
@@ -101,13 +101,13 @@ def test_a_merge_process_records_the_threads_it_used(tmp_path, one_cpu):
     out = tmp_path / "merged"
     models = [{"path": str(m)} for m in models]
     spec.write_text(yaml.safe_dump({"base_model": str(base), "models": models, "method": "ties", "out_path": str(out)}))
-    python(f"from pipeline.cli import main; main(['merge', {str(spec)!r}])", one_cpu=one_cpu)
+    python(f"from merit.cli import main; main(['merge', {str(spec)!r}])", one_cpu=one_cpu)
     report = json.loads((out / "manifest.json").read_text())["report"]
     assert report["threads"] == (1 if one_cpu else available_cpus())
 
 
 def test_bench_merge_prints_each_merge_unloaded_and_beside_busy_processes(capsys):
-    from pipeline.cli import main as merit
+    from merit.cli import main as merit
 
     merit(["bench", "merge", "--k", "2", "--size-mb", "1", "--repeats", "1", "--load", "1", "--methods", "ties"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]

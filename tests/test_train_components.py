@@ -9,7 +9,7 @@ import torch
 from conftest import small_config
 
 from calibration.split import SplitPlan
-from pipeline.cli import main as merit
+from merit.cli import main as merit
 from pipeline.config import load_config
 from pipeline.data import Collator, Encoder, load_sources
 from pipeline.models import load_model

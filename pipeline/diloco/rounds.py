@@ -43,7 +43,7 @@ from pipeline.checkpoint import (
 from pipeline.config import DilocoMethod
 from pipeline.diloco.drift import DriftMeter
 from pipeline.diloco.outer import OuterSGD
-from pipeline.diloco.payload import Payload, delta_reader, open_payload  # noqa: F401 (delta_reader: its old home)
+from pipeline.diloco.payload import Payload, open_payload
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.merge.driver import merge_tensor
 from pipeline.merge.inputs import TensorInputs, Workspace

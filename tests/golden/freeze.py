@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.cli import main as merit
+from merit.cli import main as merit
 from pipeline.data.builtin import make_example
 
 HERE = Path(__file__).parent

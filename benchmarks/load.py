@@ -16,11 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
-from pipeline.bench.memory import calibrate_stage, merge_stage, moved_branches, run_train_steps
-from pipeline.bench.merge import busy_processes, run_in_process
-from pipeline.bench.widths import build_theta0, width_overrides
-from pipeline.cli import format_table, resolve_run
+from benchmarks.memory import calibrate_stage, merge_stage, moved_branches, run_train_steps
+from benchmarks.merge import busy_processes, run_in_process
+from benchmarks.widths import build_theta0, width_overrides
+from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.data import prepare_data
+from pipeline.layout import INIT, bench_dir
 from pipeline.models import processor_for
 from pipeline.threads import available_cpus, set_threads
 
@@ -40,13 +41,21 @@ def step_seconds(cfg, run_dir: Path, steps: int) -> float:
     return statistics.median(b - a for a, b in zip(elapsed[FIRST_STEPS - 1 :], elapsed[FIRST_STEPS:]))
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_options(parser)
+    parser.add_argument("--size", choices=["small", "medium"], default="small", help="model widths")
+    parser.add_argument("--steps", type=int, default=8, help="training steps (the median step is printed)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
+    parser.add_argument("--load", type=int, help="busy processes (default: one per CPU this process may use)")
+
+
 def main(args: argparse.Namespace) -> None:
     if args.steps <= FIRST_STEPS:
         raise SystemExit(f"merit bench load: --steps must be over {FIRST_STEPS} (the first steps are not timed)")
     args.overrides = [*args.overrides, *width_overrides(args.size), "data.builtin.examples_per_source=16"]
     cfg, run_dir = resolve_run(args)
-    init, run = str(run_dir / "init"), str(run_dir)
-    if not (run_dir / "init" / "model.safetensors").is_file():
+    init, run = str(run_dir / INIT), str(run_dir)
+    if not (run_dir / INIT / "model.safetensors").is_file():
         build_theta0(cfg, run_dir)
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
     branches = moved_branches(run_dir, 2)
@@ -56,7 +65,7 @@ def main(args: argparse.Namespace) -> None:
         "train step (1 rank)": lambda: step_seconds(cfg, run_dir, args.steps),
         **{
             f"merge {method}, K = 2": lambda m=method: run_in_process(
-                _timed, merge_stage, init, branches, m, f"{run}/bench/merged-{m}", "cpu"
+                _timed, merge_stage, init, branches, m, str(bench_dir(run_dir, f"merged-{m}")), "cpu"
             )
             for method in ("weighted_average", "ties")
         },

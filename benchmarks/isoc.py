@@ -43,6 +43,11 @@ def timed(fn, device: str, repeats: int) -> tuple[float, torch.Tensor]:
     return statistics.median(times), out
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+
+
 def main(args: argparse.Namespace) -> None:
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"

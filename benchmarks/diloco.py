@@ -51,8 +51,10 @@ from matplotlib.ticker import MaxNLocator
 from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from pipeline.checkpoint import write_text_atomic
 from pipeline.diloco import DILOCO, ISOLOCO, OuterSGD, aggregate
 from pipeline.diloco.aggregate import aggregate_deltas
+from pipeline.figures import save_figure
 from pipeline.merge import Rule
 from pipeline.merge.io import TensorInfo
 from pipeline.train.engine import lr_lambda
@@ -408,9 +410,7 @@ def plot(results: dict[int, dict[str, dict]], out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out loss (nats / byte)")
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def write_results(
@@ -449,14 +449,72 @@ def write_results(
         },
     }
     figures = {"setting": setting, "initial_loss": initial, "results": {f"R={w}": m for w, m in results.items()}}
-    (out / "results.json").write_text(json.dumps(figures, indent=1))
+    write_text_atomic(out / "results.json", json.dumps(figures, indent=1))
 
 
 def lora_ranks(args: argparse.Namespace) -> list[int]:
     return list(getattr(args, "lora_rank", None) or [])
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, nargs="+", default=[4], help="numbers of workers R")
+    parser.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
+    parser.add_argument("--rounds", type=int, default=20, help="outer rounds (T)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=["dp", "diloco", "isoloco", "average"],
+        default=None,
+        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0); default: all four, "
+        "with --slow: diloco (--slow runs diloco and average)",
+    )
+    parser.add_argument(
+        "--compression",
+        nargs="+",
+        choices=["none", "bf16", "int8", "int4"],
+        default=["none"],
+        help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        nargs="+",
+        metavar="R",
+        help="also each DiLoCo method with LoRA workers of these ranks: a fresh adapter (alpha 2 × rank, every "
+        "linear layer but lm_head) each round, its factors sent in fp32",
+    )
+    parser.add_argument(
+        "--out",
+        default="runs/bench-diloco",
+        help="folder for results.json and loss.png (with --slow: stragglers-<method>.json and .png)",
+    )
+    parser.add_argument(
+        "--slow",
+        nargs="+",
+        metavar="K:F",
+        help="straggler bench: worker K runs F× slower; the R workers run as processes and the sync modes "
+        "(sync, quorum with drop or discount, async) are compared in wall time",
+    )
+    parser.add_argument("--quorum", type=int, help="with --slow: payloads a quorum round waits for (default R − 1)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["sync", "quorum-drop", "quorum-discount", "async"],
+        default=["sync", "quorum-drop", "quorum-discount", "async"],
+        help="with --slow: the sync modes to run",
+    )
+
+
 def main(args: argparse.Namespace) -> None:
+    if args.methods is None:
+        args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
+    if args.slow:  # stragglers: the workers as processes, the sync modes compared in wall time
+        if args.lora_rank:
+            raise SystemExit("merit: error: --lora-rank is for the bench without --slow")
+        from benchmarks.stragglers import main as stragglers
+
+        stragglers(args)
+        return
     torch.set_num_threads(min(MAX_THREADS, torch.get_num_threads()))
     corpus = load_corpus()
     model0 = tiny_qwen2()

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from pipeline.cli import resolve_run
+from merit.cli import add_run_options, resolve_run
 from pipeline.config import RunConfig, load_config
 from pipeline.data import Collator, EncodedDataset, Encoder, load_split, prepare_data
-from pipeline.layout import base_path
+from pipeline.layout import base_path, bench_dir
 from pipeline.models import build_tiny_model, processor_for
 from pipeline.models.loading import DTYPES
 from pipeline.train import BranchSpec
@@ -47,6 +47,18 @@ def like(path: str) -> list[str]:
         f"train.grad_accum={other.train.grad_accum}",
         f"train.loader_workers={other.train.loader_workers}",
     ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_options(parser)
+    parser.add_argument("--examples", type=int, default=1024, help="examples to encode")
+    parser.add_argument("--steps", type=int, default=10, help="training steps timed for the reference rate")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--like", help="a config whose image sizes, batch and loader workers the step loader takes")
+    parser.add_argument("--step-seconds", type=float, help="simulated training step (default: from the FLOPs below)")
+    parser.add_argument("--model-params", type=float, default=3.75e9, help="parameters of the simulated model")
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the simulated step")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the simulated device's peak")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -104,7 +116,7 @@ def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -
         run_dir=str(run_dir),
         init=base_path(cfg, run_dir),
         sources=all_sources(run_dir),
-        out_dir=str(run_dir / "bench"),
+        out_dir=str(bench_dir(run_dir, "data")),
         config=cfg.model_copy(update={"train": t}),
     )
     data = BranchData.for_branch(spec, processor)

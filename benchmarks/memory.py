@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.merge import run_in_process
-from pipeline.bench.widths import build_theta0, width_overrides
-from pipeline.cli import format_table, resolve_run
+from benchmarks.merge import run_in_process
+from benchmarks.widths import build_theta0, width_overrides
+from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, load_split, prepare_data
+from pipeline.layout import INIT, bench_dir
 from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.merge import CheckpointReader
 from pipeline.models import load_model, load_processor, processor_for
@@ -93,13 +94,13 @@ def run_train_steps(cfg: RunConfig, run_dir: Path, steps: int, name: str = "trai
     from pipeline.train import BranchSpec, train_branch
     from pipeline.train.plan import all_sources
 
-    out = run_dir / "bench" / name
+    out = bench_dir(run_dir, name)
     shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped
     train = cfg.train.model_copy(update={"steps": steps, "processes": 1, "checkpoint_every": 10**9})
     spec = BranchSpec(
         name=f"bench-{name}",
         run_dir=str(run_dir),
-        init=str(run_dir / "init"),
+        init=str(run_dir / INIT),
         sources=all_sources(run_dir),
         out_dir=str(out),
         config=cfg.model_copy(update={"train": train}),
@@ -120,16 +121,26 @@ def moved_branches(run_dir: Path, k: int) -> list[str]:
     """K copies of θ0, each moved a little: the merges' inputs."""
     from safetensors.torch import load_file, save_file
 
-    weights = load_file(run_dir / "init" / "model.safetensors")
-    folders = [run_dir / "bench" / "branches" / str(i) for i in range(k)]
+    weights = load_file(run_dir / INIT / "model.safetensors")
+    folders = [bench_dir(run_dir, "branches") / str(i) for i in range(k)]
     for i, folder in enumerate(folders):
         if not (folder / "model.safetensors").is_file():
             folder.mkdir(parents=True, exist_ok=True)
             g = torch.Generator().manual_seed(i)
             moved = {n: t + (1e-3 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in weights.items()}
             save_file(moved, str(folder / "model.safetensors"))
-            shutil.copy2(run_dir / "init" / "config.json", folder / "config.json")
+            shutil.copy2(run_dir / INIT / "config.json", folder / "config.json")
     return [str(f) for f in folders]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_options(parser)
+    parser.add_argument("--size", choices=["small", "medium", "3b"], default="medium", help="model widths")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the weights' dtype")
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of merged branches")
+    parser.add_argument("--methods", default="weighted_average,ties,dare,iso_c", help="comma-separated merge methods")
+    parser.add_argument("--steps", type=int, default=4, help="training steps of the train stage")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -137,11 +148,11 @@ def main(args: argparse.Namespace) -> None:
     sizes = [*width_overrides(args.size), f"model.dtype={args.dtype}", "data.builtin.examples_per_source=16"]
     args.overrides = [*args.overrides, *sizes]
     cfg, run_dir = resolve_run(args)
-    init = str(run_dir / "init")
-    if not (run_dir / "init" / "model.safetensors").is_file():
+    init = str(run_dir / INIT)
+    if not (run_dir / INIT / "model.safetensors").is_file():
         build_theta0(cfg, run_dir)
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
-    params = json.loads((run_dir / "init" / "manifest.json").read_text())["parameters"]["total"]
+    params = json.loads((run_dir / INIT / "manifest.json").read_text())["parameters"]["total"]
     run = str(run_dir)
     kinds = ("cuda",) if device == "cuda" else ("rss", "anon")
     baseline = run_in_process(_measured, _baseline, device)

@@ -31,6 +31,7 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
+from pipeline.checkpoint import write_text_atomic
 from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
 from pipeline.data.builtin import CONFLICTS
@@ -377,11 +378,37 @@ def _mean(rows: list[dict[str, Any]], metric: str, digits: int) -> str:
     return f"{mean(values):.{digits}f}" if values else ""
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default="configs/benchmark.yaml", help="the base run config")
+    parser.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="run.seed of each repetition")
+    parser.add_argument(
+        "--full-seeds",
+        type=int,
+        default=3,
+        help="how many of the seeds also run the larger K, Random-K and the 0.5/2-epoch joint",
+    )
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of branches K (powers of two)")
+    parser.add_argument(
+        "--joint-epochs", type=float, nargs="*", default=[0.5, 2.0], help="joint baselines besides the 1-epoch one"
+    )
+    parser.add_argument("--kinds", nargs="+", default=["cued"], choices=["cued", "contradictory"])
+    parser.add_argument(
+        "--factors",
+        nargs="*",
+        default=["pca", "balance"],
+        choices=["pca", "balance", "lora", "warmup", "lr", "epochs", "width"],
+        help="factor tables (from the first kind's full seeds, at the smallest K)",
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
 def main(args: argparse.Namespace) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # the figures, not every task's log
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     cases = plan_cases(args)
     start = time.perf_counter()
     for n, case in enumerate(cases, 1):
@@ -404,9 +431,9 @@ def main(args: argparse.Namespace) -> None:
         text += ["", factor_table(rows, factor, main_rows)]
     minutes = (time.perf_counter() - start) / 60
     text += ["", f"{len(cases)} cases in {minutes:.1f} min (a case finished before is reused, not rerun)."]
-    (workdir / "quality.md").write_text("\n".join(text) + "\n")
+    write_text_atomic(workdir / "quality.md", "\n".join(text) + "\n")
     rows = [r for c in cases for r in c.rows]
-    (workdir / "quality.json").write_text(json.dumps({"rows": rows, "paired": tests}, indent=1))
+    write_text_atomic(workdir / "quality.json", json.dumps({"rows": rows, "paired": tests}, indent=1))
     for kind in args.kinds:
         agg = aggregate([r for r in main_rows if r["kind"] == kind], ("model", "split", "merge", "joint_epochs", "K"))
         smallest = min(args.k)

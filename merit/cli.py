@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks import BENCHMARKS
 from pipeline.threads import set_threads
 
 if TYPE_CHECKING:
@@ -205,20 +206,16 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    """``merit bench NAME [options]``: the benchmark's module parses its own options."""
     import importlib
 
-    if args.what == "diloco":
-        if args.methods is None:
-            args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
-        if args.slow:  # stragglers: the workers as processes, sync modes compared in wall time
-            if args.lora_rank:
-                raise SystemExit("merit: error: --lora-rank is for the quality bench (without --slow)")
-            importlib.import_module("pipeline.bench.stragglers").main(args)
-            return
-    importlib.import_module(f"pipeline.bench.{args.what}").main(args)
+    module = importlib.import_module(f"benchmarks.{args.what}")
+    parser = argparse.ArgumentParser(prog=f"merit bench {args.what}", description=BENCHMARKS[args.what])
+    module.add_arguments(parser)
+    module.main(parser.parse_args(args.options))
 
 
-def add_run_options(p: argparse.ArgumentParser, force: bool = True) -> argparse.ArgumentParser:
+def add_run_options(p: argparse.ArgumentParser, force: bool = False) -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML run config (default: the run directory's config.yaml)")
     p.add_argument("--run-dir", help="run directory (default: runs/<run.name>)")
     p.add_argument(
@@ -238,23 +235,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="merit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     prepare = sub.add_parser("prepare", help="load, split and encode the data sources")
-    add_run_options(prepare).set_defaults(func=cmd_prepare)
-    add_run_options(sub.add_parser("init", help="build or locate θ0, the shared start")).set_defaults(func=cmd_init)
+    add_run_options(prepare, force=True).set_defaults(func=cmd_prepare)
+    init = sub.add_parser("init", help="build or locate θ0, the shared start")
+    add_run_options(init, force=True).set_defaults(func=cmd_init)
     check = sub.add_parser("check", help="check what would fail late (θ0, data paths, DeepSpeed, merges, GPUs)")
-    add_run_options(check, force=False).add_argument(
+    add_run_options(check).add_argument(
         "--flow", choices=["merit", "joint", "diloco"], default="merit", help="the flow to check for"
     )
     check.set_defaults(func=cmd_check)
     train = sub.add_parser("train", help="train (or resume) one branch of a run: warmup, joint or a group number")
-    add_run_options(train, force=False).add_argument("--branch", required=True, help="warmup, joint, 0, 1, ...")
+    add_run_options(train).add_argument("--branch", required=True, help="warmup, joint, 0, 1, ...")
     train.set_defaults(func=cmd_train)
     report = sub.add_parser("report", help="(re)build the run's report from what is on disk")
-    add_run_options(report, force=False).set_defaults(func=cmd_report)
+    add_run_options(report).set_defaults(func=cmd_report)
 
     run = sub.add_parser(
         "run", help="the whole pipeline as a Prefect flow (local ephemeral server unless PREFECT_API_URL)"
     )
-    add_run_options(run, force=False).add_argument(
+    add_run_options(run).add_argument(
         "--flow",
         choices=["merit", "joint", "diloco"],
         default="merit",
@@ -263,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     calibrate = sub.add_parser("calibrate", help="per-source gradient conflicts at θ0 and the MERIT split")
-    add_run_options(calibrate).add_argument(
+    add_run_options(calibrate, force=True).add_argument(
         "--diagnostics", action="store_true", help="also measure split stability and gradient accuracy vs n"
     )
     calibrate.set_defaults(func=cmd_calibrate)
@@ -274,139 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--device", choices=["cpu", "cuda"], help="override the spec's device")
     merge.set_defaults(func=cmd_merge)
 
-    benches = sub.add_parser("bench", help="benchmarks that print figures").add_subparsers(dest="what", required=True)
-    bench = add_run_options(benches.add_parser("data", help="encoding rate vs the tiny model's training rate"))
-    bench.add_argument("--examples", type=int, default=1024, help="examples to encode")
-    bench.add_argument("--steps", type=int, default=10, help="training steps timed for the reference rate")
-    bench.add_argument("--workers", type=int, default=2, help="DataLoader workers")
-    bench.add_argument("--like", help="a config whose image sizes, batch and loader workers the step loader takes")
-    bench.add_argument("--step-seconds", type=float, help="simulated training step (default: from the FLOPs below)")
-    bench.add_argument("--model-params", type=float, default=3.75e9, help="parameters of the simulated model")
-    bench.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the simulated step")
-    bench.add_argument("--peak-tflops", type=float, default=989.0, help="the simulated device's peak")
-    bench = benches.add_parser("merge", help="merge throughput per method beside the streaming floor")
-    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
-    bench.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
-    bench.add_argument(
-        "--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)"
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that print figures (merit bench NAME --help: its options)",
+        description="\n".join(f"{name}: {what}" for name, what in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the checkpoints' dtype")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
-    bench.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
-    bench.add_argument(
-        "--load",
-        type=int,
-        nargs="?",
-        const=0,
-        help="measure again beside N busy processes (no N: as many as this process has CPUs)",
-    )
-    bench.add_argument("--mergekit", metavar="CMD", help="also time mergekit's command (e.g. mergekit-yaml)")
-    bench = add_run_options(benches.add_parser("train", help="branch trainer vs a plain PyTorch loop; 1 vs 2 ranks"))
-    bench.add_argument("--steps", type=int, default=30, help="optimizer steps per measurement")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.add_argument(
-        "--size", choices=["tiny", "small", "medium", "3b"], help="model widths (default: 3b on cuda, else tiny)"
-    )
-    bench.add_argument("--micro-batch", type=int, default=8, help="micro batch of the real-width run")
-    bench.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 bf16 dense: 989)"
-    )
-    bench = add_run_options(benches.add_parser("memory", help="peak memory of every stage at a width, K = 2, 4, 8"))
-    bench.add_argument("--size", choices=["small", "medium", "3b"], default="medium", help="model widths")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the weights' dtype")
-    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of merged branches")
-    bench.add_argument("--methods", default="weighted_average,ties,dare,iso_c", help="comma-separated merge methods")
-    bench.add_argument("--steps", type=int, default=4, help="training steps of the train stage")
-    bench = add_run_options(benches.add_parser("load", help="each stage's time unloaded and beside busy processes"))
-    bench.add_argument("--size", choices=["small", "medium"], default="small", help="model widths")
-    bench.add_argument("--steps", type=int, default=8, help="training steps (the median step is printed)")
-    bench.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
-    bench.add_argument("--load", type=int, help="busy processes (default: one per CPU this process may use)")
-    bench = benches.add_parser("isoc", help="Iso-C: exact SVD vs Newton-Schulz, time and error")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
-    bench = benches.add_parser(
-        "quality", help="MERIT-K vs Random-K vs joint on the toy benchmarks: seeds, paired statistics, factors"
-    )
-    bench.add_argument("config", nargs="?", default="configs/benchmark.yaml", help="the base run config")
-    bench.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
-    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="run.seed of each repetition")
-    bench.add_argument(
-        "--full-seeds",
-        type=int,
-        default=3,
-        help="how many of the seeds also run the larger K, Random-K and the 0.5/2-epoch joint",
-    )
-    bench.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of branches K (powers of two)")
-    bench.add_argument(
-        "--joint-epochs", type=float, nargs="*", default=[0.5, 2.0], help="joint baselines besides the 1-epoch one"
-    )
-    bench.add_argument("--kinds", nargs="+", default=["cued"], choices=["cued", "contradictory"])
-    bench.add_argument(
-        "--factors",
-        nargs="*",
-        default=["pca", "balance"],
-        choices=["pca", "balance", "lora", "warmup", "lr", "epochs", "width"],
-        help="factor tables (from the first kind's full seeds, at the smallest K)",
-    )
-    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    bench = benches.add_parser("diloco", help="DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib")
-    bench.add_argument("--workers", type=int, nargs="+", default=[4], help="numbers of workers R")
-    bench.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
-    bench.add_argument("--rounds", type=int, default=20, help="outer rounds (T)")
-    bench.add_argument(
-        "--methods",
-        nargs="+",
-        choices=["dp", "diloco", "isoloco", "average"],
-        default=None,
-        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0); default: all four, "
-        "with --slow: diloco (--slow runs diloco and average)",
-    )
-    bench.add_argument(
-        "--compression",
-        nargs="+",
-        choices=["none", "bf16", "int8", "int4"],
-        default=["none"],
-        help="pseudo-gradient compression(s) of the DiLoCo methods, each with error feedback but none",
-    )
-    bench.add_argument(
-        "--lora-rank",
-        type=int,
-        nargs="+",
-        metavar="R",
-        help="also each DiLoCo method with LoRA workers of these ranks: a fresh adapter (alpha 2 × rank, every "
-        "linear layer but lm_head) each round, its factors sent in fp32",
-    )
-    bench.add_argument(
-        "--out",
-        default="runs/bench-diloco",
-        help="folder for results.json and loss.png (with --slow: stragglers-<method>.json and .png)",
-    )
-    bench.add_argument(
-        "--slow",
-        nargs="+",
-        metavar="K:F",
-        help="straggler bench: worker K runs F× slower; the R workers run as processes and the sync modes "
-        "(sync, quorum with drop or discount, async) are compared in wall time",
-    )
-    bench.add_argument("--quorum", type=int, help="with --slow: payloads a quorum round waits for (default R − 1)")
-    bench.add_argument(
-        "--modes",
-        nargs="+",
-        choices=["sync", "quorum-drop", "quorum-discount", "async"],
-        default=["sync", "quorum-drop", "quorum-discount", "async"],
-        help="with --slow: the sync modes to run",
-    )
-    bench = benches.add_parser("aggregators", help="bytes and seconds of a DiLoCo round's busiest aggregator: R × S")
-    bench.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="numbers of workers R")
-    bench.add_argument("--size", choices=["small", "medium", "3b"], default="small", help="θ0's widths")
-    bench.add_argument("--compression", choices=["none", "bf16", "int8", "int4"], default="none")
-    bench.add_argument("--method", default="iso_c", help="the merge method that aggregates")
-    bench.add_argument("--workdir", help="where to write θ0 and the payloads (default: the temp folder)")
-    for bench in benches.choices.values():
-        bench.set_defaults(func=cmd_bench)
+    bench.add_argument("what", choices=list(BENCHMARKS), metavar="NAME", help="the benchmark: " + ", ".join(BENCHMARKS))
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench.widths import build_theta0, width_overrides
-from pipeline.cli import resolve_run
+from benchmarks.widths import build_theta0, width_overrides
+from merit.cli import add_run_options, resolve_run
 from pipeline.data import active_sources, load_split, prepare_data, read_manifest
-from pipeline.layout import base_path
+from pipeline.layout import INIT, base_path, bench_dir
 from pipeline.models import (
     init_model,
     load_model,
@@ -67,6 +67,19 @@ def trainer_rate(spec: BranchSpec) -> float:
 def trainer_rate_from(out: Path) -> float:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["tokens_per_s"] for r in records[WARMUP_STEPS:])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_options(parser)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per measurement")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--size", choices=["tiny", "small", "medium", "3b"], help="model widths (default: 3b on cuda, else tiny)"
+    )
+    parser.add_argument("--micro-batch", type=int, default=8, help="micro batch of the real-width run")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 bf16 dense: 989)"
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -135,12 +148,12 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     train = load_split(cfg, run_dir, "train", sources)
     ids = torch.cat([ex.token_ids for exs in train.values() for ex in exs])
     image_share = float((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).float().mean())
-    out = Path(run_dir) / "branches" / "bench"
+    out = bench_dir(run_dir, "train")
     shutil.rmtree(out, ignore_errors=True)  # a finished branch would be skipped: measure afresh
     spec = BranchSpec(
         name="bench",
         run_dir=str(run_dir),
-        init=str(Path(run_dir) / "init"),
+        init=str(Path(run_dir) / INIT),
         sources=sources,
         out_dir=str(out),
         config=cfg,

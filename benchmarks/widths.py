@@ -12,6 +12,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.config import RunConfig
+from pipeline.layout import INIT
 from pipeline.models import build_tiny_processor, count_parameters
 from pipeline.models.loading import DTYPES
 from pipeline.models.tiny import tiny_config
@@ -73,7 +74,7 @@ def build_theta0(cfg: RunConfig, run_dir: str | Path, device: str = "cpu") -> di
     model.to(DTYPES[cfg.model.dtype])
     counts = count_parameters(model)
     save_pretrained_checkpoint(
-        Path(run_dir) / "init",
+        Path(run_dir) / INIT,
         model,
         processor,
         step=0,

@@ -1,7 +1,7 @@
 """``merit bench diloco --slow K:F``: DiLoCo with a straggler, its R workers real concurrent
 processes, under four sync modes, in wall time.
 
-The setting is ``merit bench diloco``'s (:mod:`pipeline.bench.diloco`: the stdlib corpus, the
+The setting is ``merit bench diloco``'s (:mod:`benchmarks.diloco`: the stdlib corpus, the
 tiny Qwen2, θ0, each worker's ``Learner`` with AdamW, the schedule and clipping, its iid shard
 stream from ``shard_batches`` with the same seeds, batch 8, H inner steps), but each worker is a
 process of its own (``torch.multiprocessing``, start method ``forkserver`` with this module
@@ -84,7 +84,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.bench.diloco import (
+from benchmarks.diloco import (
     BATCH,
     CONTEXT,
     OUTER,
@@ -96,8 +96,10 @@ from pipeline.bench.diloco import (
     shard_batches,
     tiny_qwen2,
 )
+from pipeline.checkpoint import write_text_atomic
 from pipeline.diloco.aggregate import AsyncOuter
 from pipeline.diloco.compress import compress_with_feedback, decompress, payload_bytes
+from pipeline.figures import save_figure
 from pipeline.merge import Rule, merge_state_dicts
 from pipeline.train.lifetime import die_with_parent
 
@@ -399,6 +401,16 @@ def _delta(p: dict, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: decompress(payload, name, tuple(t.shape)) for name, t in theta.items()}
 
 
+def launch(pool: Pool, theta: dict[str, torch.Tensor], R: int, H: int) -> tuple[float, list[Snapshot], set[int], bytes]:
+    """θ0 to every worker: the run's clock starts, its first snapshot, every worker busy, and θ0
+    as sent."""
+    start = time.perf_counter()
+    blob = pack(theta)
+    for k in range(R):
+        pool.send(k, "global", 0, blob, H)
+    return start, [Snapshot(0.0, 0, clone(theta))], set(range(R)), blob
+
+
 def run_rounds(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor], mode: str) -> ModeRun:
     """``sync`` (a quorum of R) or ``quorum-drop`` / ``quorum-discount`` (a quorum of Q; the rule
     for a late payload)."""
@@ -410,12 +422,7 @@ def run_rounds(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor], mo
     stats = [WorkerStats() for _ in range(R)]
     pool.reset(setting, drop_late=rule == "drop")
     version, fresh, late, dropped, rounds = 0, [], [], [], []
-    start = time.perf_counter()
-    snapshots = [Snapshot(0.0, 0, clone(theta))]
-    blob = pack(theta)
-    for k in range(R):
-        pool.send(k, "global", 0, blob, H)
-    busy = set(range(R))
+    start, snapshots, busy, blob = launch(pool, theta, R, H)
     with tqdm(total=T, desc=f"{mode} R={R}", unit="round", leave=False) as bar:
         while version < T:
             _, k, p = pool.receive()
@@ -488,12 +495,7 @@ def run_async(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor]) -> 
     pool.reset(setting, drop_late=False)
     speeds: dict[int, float] = {}
     arrivals: list[dict] = []
-    start = time.perf_counter()
-    snapshots = [Snapshot(0.0, 0, clone(theta))]
-    blob = pack(theta)
-    for k in range(R):
-        pool.send(k, "global", 0, blob, H)
-    busy = set(range(R))
+    start, snapshots, busy, blob = launch(pool, theta, R, H)
     with tqdm(total=R * T, desc=f"async R={R}", unit="arrival", leave=False) as bar:
         while len(arrivals) < R * T:
             _, k, p = pool.receive()
@@ -674,9 +676,7 @@ def plot(result: dict, setting: Setting, out: Path) -> None:
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -727,7 +727,7 @@ def _main(args: argparse.Namespace) -> None:
                 "load": "the machine's 1-minute load average at each snapshot (os.getloadavg), for the record",
                 "bench_seconds": time.perf_counter() - start,
             }
-            (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+            write_text_atomic(out / f"{name}.json", json.dumps(result, indent=1))
             plot(result, setting, out / f"{name}.png")
             print(f"\n{setting.method}, R = {workers}, slow {slow}, Q = {quorum}:\n{summary_table(result, sync_wall)}")
             print(

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.bench.widths import build_theta0, width_overrides
+from benchmarks.widths import build_theta0, width_overrides
 from pipeline.checkpoint import write_manifest
 from pipeline.config import DilocoMethod, load_config
 from pipeline.data import prepare_data
 from pipeline.diloco.compress import compress
 from pipeline.diloco.plan import DilocoPlan, diloco_plan
 from pipeline.diloco.rounds import aggregate_part, aggregate_round, assemble_round, delta_dir
-from pipeline.layout import CONFIG, start_run
+from pipeline.layout import CONFIG, bench_dir, start_run
 from pipeline.merge.io import CheckpointReader
 from pipeline.models import processor_for
 
@@ -54,7 +54,7 @@ def measure(run_dir: Path, overrides: list[str], workers: int, aggregators: int,
     assembling the parts into the round's global weights."""
     cfg = load_config(run_dir / CONFIG, [*overrides, f"diloco.workers={workers}"])
     entry = DilocoMethod(name="bench", method=method, outer_lr=0.7, outer_momentum=0.9)
-    folder = run_dir / "bench" / f"R{workers}-S{aggregators}"
+    folder = bench_dir(run_dir, f"aggregators/R{workers}-S{aggregators}")
     plan = diloco_plan(cfg, run_dir, entry).model_copy(update={"folder": str(folder), "aggregators": aggregators})
     fabricate_round(plan, 0, seed=0)
     aggregate_round(plan, 0, list(range(workers)))
@@ -72,10 +72,20 @@ def measure(run_dir: Path, overrides: list[str], workers: int, aggregators: int,
     return {"payload_mb": sent / workers / MB, "read_mb": read / MB, "seconds": max(seconds), "assemble": assemble}
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8], help="numbers of workers R")
+    parser.add_argument("--size", choices=["small", "medium", "3b"], default="small", help="θ0's widths")
+    parser.add_argument("--compression", choices=["none", "bf16", "int8", "int4"], default="none")
+    parser.add_argument("--method", default="iso_c", help="the merge method that aggregates")
+    parser.add_argument("--workdir", help="where to write θ0 and the payloads (default: the temp folder)")
+
+
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one aggregator a core, as on a machine of its own
     overrides = [*width_overrides(args.size), "data.builtin.examples_per_source=8", "warmup.steps=0"]
     overrides.append(f"diloco.compression={args.compression}")
+    if args.workdir:  # a folder that does not exist yet is made, as every bench's output folder is
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         cfg, run_dir = start_run(None, overrides, Path(tmp) / "run")
         counts = build_theta0(cfg, run_dir)

@@ -221,8 +221,28 @@ def command_pair(
     if method in READS_BASE:
         config["base_model"] = str(base)
     (folder / f"{method}-mergekit.yaml").write_text(yaml.safe_dump(config))
-    ours = [sys.executable, "-m", "pipeline.cli", "merge", str(spec)]
+    ours = [sys.executable, "-m", "merit", "merge", str(spec)]
     return ours, [*mergekit.split(), str(folder / f"{method}-mergekit.yaml"), str(folder / f"mergekit-{method}")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
+    parser.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
+    parser.add_argument(
+        "--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)"
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the checkpoints' dtype")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--workdir", help="where to generate the checkpoints (default: the temp folder)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per figure (the median is printed)")
+    parser.add_argument(
+        "--load",
+        type=int,
+        nargs="?",
+        const=0,
+        help="measure again beside N busy processes (no N: as many as this process has CPUs)",
+    )
+    parser.add_argument("--mergekit", metavar="CMD", help="also time mergekit's command (e.g. mergekit-yaml)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -231,6 +251,8 @@ def main(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"merit bench merge: unknown methods {unknown}; known: {sorted(METHODS)}")
     load = (args.load or available_cpus()) if args.load is not None else 0
+    if args.workdir:  # a folder that does not exist yet is made, as every bench's output folder is
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="merit-bench-merge-", dir=args.workdir))
     print(
         f"checkpoints of {args.size_mb} MB ({args.dtype}), {available_cpus()} CPUs, torch threads "

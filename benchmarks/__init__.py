@@ -1,0 +1,15 @@
+"""The ``merit bench`` commands: each module measures one thing, declares its own options
+(``add_arguments``) and runs (``main``). Above the library and the flows (a benchmark may run a
+flow); nothing under ``pipeline/`` imports them. Dated results: ``benchmarks/results/``."""
+
+BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module benchmarks.<name>
+    "data": "encoding rate vs the tiny model's training rate",
+    "merge": "merge throughput per method beside the streaming floor",
+    "train": "branch trainer vs a plain PyTorch loop; 1 vs 2 ranks",
+    "memory": "peak memory of every stage at a width, K = 2, 4, 8",
+    "load": "each stage's time unloaded and beside busy processes",
+    "isoc": "Iso-C: exact SVD vs Newton-Schulz, time and error",
+    "quality": "MERIT-K vs Random-K vs joint on the toy benchmarks: seeds, paired statistics, factors",
+    "diloco": "DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib",
+    "aggregators": "bytes and seconds of a DiLoCo round's busiest aggregator: R × S",
+}

@@ -1,0 +1,7 @@
+"""``python -m merit``: the ``merit`` command."""
+
+import sys
+
+from merit.cli import main
+
+sys.exit(main())
