@@ -311,3 +311,37 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
     rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert verify_checkpoint(out)["kind"] == "merge" and not list(tmp_path.glob(".merged.tmp-*"))
+
+
+def test_stream_checkpoint_writes_shards_and_a_side_checkpoint_that_load(tmp_path):
+    """The one streaming writer of merges and DiLoCo rounds: tensors produced one at a time land
+    in planned shards that safetensors and the index read back exactly, the side checkpoint
+    (a round's momentum) beside them, with the sha256 of every file."""
+    from pipeline.checkpoint import sha256_file
+    from pipeline.merge.io import TensorInfo, stream_checkpoint
+
+    torch.manual_seed(0)
+    values = {f"layer{i}.weight": torch.randn(16, 8) for i in range(4)} | {"norm.weight": torch.ones(8)}
+    momentum = {name: -value for name, value in values.items() if name.startswith("layer")}
+    plan = {name: TensorInfo(tuple(v.shape), v.dtype) for name, v in values.items()}
+    side = {name: plan[name] for name in momentum}
+    produced = []
+
+    def produce(name):
+        produced.append(name)
+        return (values[name], momentum[name]) if name in momentum else values[name]
+
+    written = stream_checkpoint(tmp_path, plan, produce, max_shard_bytes=600, side=("outer", side))
+    assert produced == list(plan)  # one call a tensor, in planned order
+    assert len(set(written.weight_maps[""].values())) == 4 and len(set(written.weight_maps["outer"].values())) == 4
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert index["weight_map"] == written.weight_maps[""]
+    for sub, expected in (("", values), ("outer", momentum)):
+        for name, file in written.weight_maps[sub].items():
+            path = tmp_path / sub / file
+            assert torch.equal(load_file(path)[name], expected[name])
+            assert written.sha256[str(Path(sub) / file)] == sha256_file(path)
+    assert written.bytes_written == sum(v.numel() * 4 for v in (*values.values(), *momentum.values()))
+    (tmp_path / "again").mkdir()
+    with pytest.raises(RuntimeError, match=r"layer0.weight: no outer tensor produced"):
+        stream_checkpoint(tmp_path / "again", plan, lambda name: values[name], 600, side=("outer", side))

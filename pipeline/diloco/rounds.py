@@ -20,7 +20,6 @@ budgeted row block for the element-wise methods), never the R pseudo-gradients w
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -50,9 +49,9 @@ from pipeline.merge.inputs import TensorInputs, Workspace
 from pipeline.merge.io import (
     INDEX,
     CheckpointReader,
-    ShardedWriter,
     TensorInfo,
     copy_aux_files,
+    stream_checkpoint,
     write_index,
 )
 from pipeline.merge.registry import TensorContext
@@ -207,32 +206,19 @@ def write_stepped(
     momentum: dict[str, TensorInfo],
     stem: str = "model",
 ) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """The tensors of ``out_plan`` streamed into ``tmp`` in shard order: those of ``stepped`` as
-    ``step(name)`` returns them, with the momentum buffer it returns into ``tmp/outer`` (planned
-    by ``momentum``; none when empty), the others as θ has them (frozen: the same in every
-    worker). Returns the files' sha256 and the weight map of each sub-folder."""
-    with contextlib.ExitStack() as stack:
-        writer = stack.enter_context(ShardedWriter(tmp, out_plan, MAX_SHARD, stem=stem))
-        state = (
-            stack.enter_context(ShardedWriter(_mkdir(tmp / OUTER), momentum, MAX_SHARD, stem=stem))
-            if momentum
-            else None
-        )
-        for name in writer.order:
-            if name not in stepped:
-                writer.write(name, theta.get(name))
-                continue
-            value, buffer = step(name)
-            writer.write(name, value)
-            if state is not None:
-                state.write(name, buffer)
-        writer.close()
-        hashes, maps = dict(writer.sha256), {"": writer.weight_map}
-        if state is not None:
-            state.close()
-            hashes |= {f"{OUTER}/{f}": h for f, h in state.sha256.items()}
-            maps[OUTER] = state.weight_map
-    return hashes, maps
+    """The tensors of ``out_plan`` streamed into ``tmp``: those of ``stepped`` as ``step(name)``
+    returns them, with the momentum buffer it returns into ``tmp/outer`` (planned by
+    ``momentum``; none when empty), the others as θ has them (frozen: the same in every worker).
+    Returns the files' sha256 and the weight map of each sub-folder."""
+    written = stream_checkpoint(
+        tmp,
+        out_plan,
+        lambda name: step(name) if name in stepped else theta.get(name),
+        MAX_SHARD,
+        stem=stem,
+        side=(OUTER, momentum),
+    )
+    return written.sha256, written.weight_maps
 
 
 def assemble_round(
@@ -368,11 +354,6 @@ def _record(
             "aggregate": round(sum(part["seconds"]["aggregate"] for part in parts), 4),
         },
     }
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def outer_state(plan: DilocoPlan, r: int) -> CheckpointReader | None:

@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
 from pipeline.merge.adapter import AdapterReader
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
-from pipeline.merge.io import CheckpointReader, MergeInputError, ShardedWriter, TensorInfo, copy_aux_files
+from pipeline.merge.io import CheckpointReader, MergeInputError, TensorInfo, copy_aux_files, stream_checkpoint
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
@@ -164,19 +163,21 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
     run = _CheckpointMerge(spec)
     report = run.report
     report.threads = torch.get_num_threads()
-    with staged_dir(spec.out_path) as tmp, ShardedWriter(tmp, run.plan, spec.max_shard_size) as writer:
-        for name in tqdm(writer.order, desc="merge", unit="tensor", disable=not progress, leave=False):
-            merged = run.merge(name)
-            write_start = time.perf_counter()  # time spent waiting for the writer thread
-            writer.write(name, merged.to(run.plan[name].dtype))
-            report.write_seconds += time.perf_counter() - write_start
-        writer.close()
+    with staged_dir(spec.out_path) as tmp:
+        written = stream_checkpoint(
+            tmp,
+            run.plan,
+            lambda name: run.merge(name).to(run.plan[name].dtype),
+            spec.max_shard_size,
+            progress="merge" if progress else None,
+        )
         copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config: their dtype
-        report.tensors, report.bytes_written = len(run.plan), writer.bytes_written
+        report.tensors, report.bytes_written = len(run.plan), written.bytes_written
+        report.write_seconds = written.wait_seconds
         report.total_seconds = time.perf_counter() - start
         write_manifest(
             tmp,
-            writer.sha256,
+            written.sha256,
             kind="merge",
             spec=spec.model_dump(mode="json"),
             report=report.summary(),

@@ -4,11 +4,13 @@
 only) and reads one tensor at a time. :class:`ShardedWriter` plans the output shards from the
 tensor names, shapes and dtypes before any tensor is computed, writes each shard's header
 first and then every tensor's bytes as it is produced, so the writer holds one tensor at a
-time whatever the shard size. Nothing here unpickles: only safetensors is read.
+time whatever the shard size. :func:`stream_checkpoint` is the loop every checkpoint producer
+(a merge, a DiLoCo round) runs over it. Nothing here unpickles: only safetensors is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -16,13 +18,15 @@ import queue
 import shutil
 import struct
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -285,6 +289,64 @@ class ShardedWriter:
     def weight_map(self) -> dict[str, str]:
         """Each tensor's file."""
         return {name: self.names[i] for i, shard in enumerate(self.shards) for name in shard}
+
+
+@dataclass
+class Streamed:
+    """What :func:`stream_checkpoint` wrote."""
+
+    sha256: dict[str, str]  # file, relative to the folder -> digest (for the manifest)
+    weight_maps: dict[str, dict[str, str]]  # sub-folder ("" for the folder itself) -> tensor -> file
+    bytes_written: int
+    wait_seconds: float  # time the producer waited for the writer threads (disk slower than compute)
+
+
+Produced = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]
+
+
+def stream_checkpoint(
+    folder: Path,
+    plan: dict[str, TensorInfo],
+    produce: Callable[[str], Produced],
+    max_shard_bytes: int,
+    *,
+    stem: str = "model",
+    side: tuple[str, dict[str, TensorInfo]] | None = None,
+    progress: str | None = None,
+) -> Streamed:
+    """The tensors of ``plan`` computed one at a time by ``produce(name)`` and streamed into
+    ``folder`` in shard order, so that one output tensor is held at a time (plus the two the
+    writer thread may still be writing). With ``side = (sub, side_plan)`` a second checkpoint is
+    written alongside into ``folder/sub`` (a DiLoCo global's outer momentum): ``produce`` returns
+    a pair for the names of ``side_plan``, the tensor and its side tensor. ``progress`` labels a
+    tqdm bar (none when None). The index of a sharded checkpoint is written; the manifest is the
+    caller's."""
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(ShardedWriter(folder, plan, max_shard_bytes, stem=stem))
+        sub, side_plan = side or ("", {})
+        extra = None
+        if side_plan:
+            (folder / sub).mkdir(exist_ok=True)
+            extra = stack.enter_context(ShardedWriter(folder / sub, side_plan, max_shard_bytes, stem=stem))
+        waited = 0.0
+        for name in tqdm(writer.order, desc=progress, unit="tensor", disable=progress is None, leave=False):
+            value = produce(name)
+            tensor, other = value if isinstance(value, tuple) else (value, None)
+            if name in side_plan and other is None:
+                raise RuntimeError(f"{name}: no {sub} tensor produced for {folder / sub}")
+            began = time.perf_counter()
+            writer.write(name, tensor)
+            if name in side_plan:
+                extra.write(name, other)
+            waited += time.perf_counter() - began
+        writer.close()
+        streamed = Streamed(dict(writer.sha256), {"": writer.weight_map}, writer.bytes_written, waited)
+        if extra is not None:
+            extra.close()
+            streamed.sha256 |= {f"{sub}/{file}": digest for file, digest in extra.sha256.items()}
+            streamed.weight_maps[sub] = extra.weight_map
+            streamed.bytes_written += extra.bytes_written
+    return streamed
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
