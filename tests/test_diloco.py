@@ -346,7 +346,9 @@ def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers(
     assert row["bytes_sent"] == 300 and row["bytes_vs_data_parallel"] == pytest.approx(1200 / 6000)
     assert row["vs_joint"] == pytest.approx(0.2) and row["vs_best_merge"] == pytest.approx(-0.3)
     assert row["left_out"] == {1: [1]} and row["rounds"] == "3/3"
-    assert row["stragglers"] == {2: [0]} and row["sync"] == "quorum"
+    assert row["stragglers"] == {2: [0]} and row["sync"] == "quorum" and row["payload"] == "dense"
+    assert summary_row(run | {"compression": "int4"}, models)["payload"] == "dense int4"
+    assert summary_row(run | {"lora_rank": 8, "compression": "bf16"}, models)["payload"] == "LoRA r8 bf16"
     assert row["sent_per_worker_round"] == round(300 / 4) and row["read_per_aggregator_round"] == 250
 
 

@@ -25,6 +25,8 @@ from pipeline.diloco.rounds import aggregate_round, delta_dir, global_dir
 from pipeline.merge import CheckpointReader
 from pipeline.merge.io import MergeInputError
 from pipeline.preflight import check_run
+from pipeline.report.collect import diloco_runs
+from pipeline.report.diloco import payload_kind
 from pipeline.train.lora import apply_lora
 
 # Rank 4 on every linear layer but lm_head, and the post-attention norms trained whole
@@ -101,6 +103,8 @@ def test_lora_workers_send_adapters_and_plain_averaging_adds_their_weighted_delt
     assert records[1]["bytes"]["sent"] == sum(sent) == records[0]["bytes"]["sent"]
     dense = sum(4 * math.prod(info.shape) for info in theta0.info.values())  # a full fine-tune's payload
     assert max(sent) < dense / 10
+    [run] = diloco_runs(lora_flow)  # the report says what was sent
+    assert payload_kind(run) == "LoRA r4" and payload_kind(run | {"lora_rank": None}) == "dense"
 
     # The outer step by hand, from the payloads.
     weights = records[1]["weights"]

@@ -278,7 +278,7 @@ def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
         if not rounds.is_file():
             continue
         plan = json.loads(path.read_text())
-        method = plan["method"]
+        method, train = plan["method"], plan["workers"][0]["config"]["train"]
         runs.append(
             {
                 "variant": plan["variant"],
@@ -289,6 +289,7 @@ def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
                 "inner_steps": plan["inner_steps"],
                 "rounds": plan["rounds"],
                 "compression": plan["compression"],
+                "lora_rank": train["lora_rank"] if train.get("finetuning_type") == "lora" else None,
                 "sync": plan.get("sync", "sync"),
                 "records": json.loads(rounds.read_text()),
             }

@@ -35,6 +35,7 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
         if asynchronous
         else f"{len(records)}/{run['rounds']}",
         "sync": run["sync"],
+        "payload": payload_kind(run),
         "heldout_loss": final,
         "vs_joint": None if final is None or joint is None else final - joint,
         "vs_best_merge": None if final is None or not merges else final - min(merges),
@@ -56,6 +57,15 @@ def failures(record: dict[str, Any]) -> list[int]:
     return [k for k in record["dropped"] if k not in record.get("stragglers", [])]
 
 
+def payload_kind(run: dict[str, Any]) -> str:
+    """What a worker sends: dense pseudo-gradients (and how they are compressed) or, with LoRA
+    workers, an adapter's factors of rank r."""
+    compression = run.get("compression", "none")
+    if run.get("lora_rank"):
+        return f"LoRA r{run['lora_rank']}" + (" bf16" if compression == "bf16" else "")
+    return "dense" + ("" if compression == "none" else f" {compression}")
+
+
 COLUMNS = {
     "variant": "variant",
     "method": "aggregator",
@@ -64,6 +74,7 @@ COLUMNS = {
     "H": "H",
     "rounds": "rounds",
     "sync": "sync",
+    "payload": "payload",
     "heldout_loss": "held-out loss",
     "vs_joint": "Δ vs joint",
     "vs_best_merge": "Δ vs best merge",
