@@ -43,9 +43,26 @@ def timed(fn, device: str, repeats: int) -> tuple[float, torch.Tensor]:
     return statistics.median(times), out
 
 
+def shape(text: str) -> tuple[int, int]:
+    """``MxN`` → (M, N)."""
+    try:
+        m, n = (int(side) for side in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is MxN, e.g. 1024x1024") from None
+    return m, n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+    parser.add_argument(
+        "--shapes",
+        type=shape,
+        nargs="+",
+        default=list(SHAPES),
+        metavar="MxN",
+        help="matrix shapes (default: 1024x1024 2048x2048 2048x5632)",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -57,7 +74,7 @@ def main(args: argparse.Namespace) -> None:
         f"{'shape':>11} {'spectrum':>9} {'svd s':>8} {'NS s':>8} {'speed-up':>8} {'err inner':>10} {'err rms':>8}"
         + (f" {'NS tf32 s':>9} {'speed-up':>8} {'err tf32':>9}" if tf32 else "")
     )
-    for m, n in SHAPES:
+    for m, n in args.shapes:
         for spectrum in SPECTRA:
             matrix = spectrum_matrix(m, n, spectrum, device)
             svd_s, exact = timed(lambda matrix=matrix: iso(matrix, "svd"), device, args.repeats)

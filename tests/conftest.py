@@ -231,7 +231,9 @@ def processes_of(spec_path: Path) -> list[int]:
 
 
 def stop_process_group(proc: subprocess.Popen) -> None:
-    """A process started with ``start_new_session`` and all it started: TERM, then KILL if it lingers."""
+    """A process started with ``start_new_session`` and all it started: TERM, then KILL if it lingers
+    (a Prefect worker told to stop was seen to keep taking flow runs for over a minute on a busy
+    server; left alive it would run the next test's runs)."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)

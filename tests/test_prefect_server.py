@@ -59,6 +59,9 @@ def server(tmp_path_factory):
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "false",
+        # SQLite's wait for a lock (10 s by default): two test modules' flows and workers write at
+        # once on 2 cores, where a heartbeat's write waiting 10 s was seen to fail.
+        "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
     }
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (the server's output until teardown)
     proc = subprocess.Popen(
@@ -162,8 +165,7 @@ def run_deployment(server: dict, tmp_path: Path, deployment: str, overrides: lis
             assert time.monotonic() < deadline, "the merit run did not finish in 600 s"
             time.sleep(2)
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=60)
+        stop_process_group(worker)
     assert state == "COMPLETED", (tmp_path / "worker.log").read_text()[-3000:]
     return run_dir, parent_id
 
@@ -227,8 +229,7 @@ def test_a_branch_whose_machine_is_lost_is_crashed_resubmitted_and_resumed(serve
         merit_run.kill()
         for worker in (first, second):
             if worker is not None and worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGTERM)
-                worker.wait(timeout=60)
+                stop_process_group(worker)
     runs = api(server, "flow_runs/filter", {"flow_runs": {"name": {"any_": ["branch-0"]}}})
     ours = [r for r in runs if r["parameters"]["run_dir"] == str(run_dir)]
     states = sorted(r["state"]["type"] for r in ours)
