@@ -84,3 +84,13 @@ def test_the_site_builds_strictly(tmp_path):
     reference = (site / "reference" / "configuration" / "index.html").read_text()
     assert "diloco.aggregator_deployment" in reference
     assert (site / "benchmarks" / "results" / "2026-12-01-diloco" / "index.html").is_file()
+
+
+def test_contributing_places_every_test_module_in_a_tier():
+    """CONTRIBUTING.md's tier table names each module of tests/ once, and no module that is gone."""
+    import re
+
+    table = [line for line in (ROOT / "CONTRIBUTING.md").read_text().splitlines() if line.startswith("| ")]
+    named = re.findall(r"`(test_\w+)`", "\n".join(row.split("|")[2] for row in table if row.count("|") >= 4))
+    modules = sorted(p.stem for p in (ROOT / "tests").glob("test_*.py"))
+    assert sorted(named) == modules
