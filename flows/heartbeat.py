@@ -74,6 +74,11 @@ def heartbeat(folder: Path, flow_run_id: str, every_s: float) -> Iterator[None]:
                 write_json_atomic(folder / HEARTBEAT, info)
             stop.wait(every_s)
 
+    # Python's own SIGINT handler for the block, which raises KeyboardInterrupt: a handler that
+    # something else in the process left (a library, a test run earlier in the same process)
+    # could swallow the fencing's interrupt. Only the main thread may set a handler.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main else None
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
     try:
@@ -81,6 +86,8 @@ def heartbeat(folder: Path, flow_run_id: str, every_s: float) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
 
 
 class LostMachine(RuntimeError):
