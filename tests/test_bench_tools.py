@@ -19,11 +19,12 @@ DEMO = str(ROOT / "configs" / "demo.yaml")
 
 
 def table_rows(out: str, first: str) -> dict[str, list[str]]:
-    """The rows of a printed table whose lines start with one of ``first``'s words, by name."""
+    """The rows of a printed table (cells two spaces apart) that start with one of ``first``'s
+    words, by name."""
     rows = {}
     for line in out.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if cells[0].startswith(first):
+        if len(cells) > 2 and cells[0].startswith(first):
             rows[cells[0]] = cells[1:]
     return rows
 
