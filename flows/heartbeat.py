@@ -75,17 +75,19 @@ def heartbeat(folder: Path, flow_run_id: str, every_s: float) -> Iterator[None]:
             stop.wait(every_s)
 
     # Python's own SIGINT handler for the block, which raises KeyboardInterrupt: a handler that
-    # something else in the process left (a library, a test run earlier in the same process)
-    # could swallow the fencing's interrupt. Only the main thread may set a handler.
+    # something else in the process installed (a library, in Python or through sigaction) could
+    # swallow the fencing's interrupt, as seen once in the test suite. Only the main thread may
+    # set a handler.
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main else None
     thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
     try:
+        thread.start()  # inside: the interrupt may come before the block starts
         yield
     finally:
         stop.set()
-        thread.join()
+        if thread.ident is not None:
+            thread.join()
         if previous is not None:  # None: a handler not set from Python, which cannot be put back
             signal.signal(signal.SIGINT, previous)
 
