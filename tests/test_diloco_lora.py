@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -135,16 +136,18 @@ def global_dir_of(run_dir: Path, r: int) -> Path:
 
 
 def test_a_killed_lora_flow_resumes_to_the_same_global_weights(lora_flow, tmp_path):
-    """Killed once global 1 exists (the workers in round 1, or saved it): each re-run worker
-    resumes its checkpoint (AdamW state, data position; the adapter's moments linked after the load
-    and restarted) and redraws the same fresh adapter, so the run ends as the undisturbed one."""
+    """Killed once global 1 exists (the workers training round 2, or done with it: a tiny round
+    can finish before the kill lands): each re-run worker resumes its checkpoint (AdamW state, data
+    position; the adapter's moments linked after the load and restarted) and redraws the same
+    fresh adapter, or re-sends the payload its checkpoint kept, so the run ends as the undisturbed
+    one."""
     killed = tmp_path / "killed"
     settings = [*OVERRIDES, AVERAGE, *LORA]
     kill_flow_when(global_dir_of(killed, 1) / "manifest.json", killed, settings)
     assert not global_dir_of(killed, 2).exists()
     assert run_flow(killed, AVERAGE, *LORA).is_completed()
     logs = [(w / "train.log").read_text() for w in (killed / "diloco" / VARIANT / "workers").iterdir()]
-    assert any("resumed from step2 (step 2)" in log for log in logs)  # round 1 trained again after the load
+    assert all(re.search(r"resumed from step([24]) \(step \1\)", log) for log in logs), logs
     expected, final = CheckpointReader(global_dir_of(lora_flow, 2)), CheckpointReader(global_dir_of(killed, 2))
     assert final.info.keys() == expected.info.keys()
     for name in expected.info:
