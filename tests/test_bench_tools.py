@@ -30,7 +30,7 @@ def table_rows(out: str, first: str) -> dict[str, list[str]]:
 
 
 def number(cell: str) -> float:
-    return float(cell.replace(",", "").removesuffix("x"))
+    return float(cell.replace(",", ""))
 
 
 def test_isoc_newton_schulz_is_exact_iso_c_up_to_its_iterations(capsys):

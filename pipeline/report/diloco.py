@@ -58,12 +58,11 @@ def failures(record: dict[str, Any]) -> list[int]:
 
 
 def payload_kind(run: dict[str, Any]) -> str:
-    """What a worker sends: dense pseudo-gradients (and how they are compressed) or, with LoRA
-    workers, an adapter's factors of rank r."""
+    """What a worker sends: dense pseudo-gradients or, with LoRA workers, an adapter's factors of
+    rank r; and how they are compressed (LoRA workers: none or bf16)."""
     compression = run.get("compression", "none")
-    if run.get("lora_rank"):
-        return f"LoRA r{run['lora_rank']}" + (" bf16" if compression == "bf16" else "")
-    return "dense" + ("" if compression == "none" else f" {compression}")
+    kind = f"LoRA r{run['lora_rank']}" if run.get("lora_rank") else "dense"
+    return kind if compression == "none" else f"{kind} {compression}"
 
 
 COLUMNS = {
