@@ -35,12 +35,13 @@ from pipeline.checkpoint import write_text_atomic
 from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
 from pipeline.data.builtin import CONFLICTS
-from pipeline.eval.benchmarks import BENCHMARKS
+from pipeline.eval.benchmarks import BENCHMARKS, CONSTANT
 from pipeline.layout import CALIBRATION, EVAL, REPORT, start_run
 from pipeline.report import markdown_table
 from pipeline.report.plots import plot_quality
 from pipeline.report.quality import ROLES
 
+CONSTANT_LABEL = "constant answer"
 MERIT_MERGE = "token_average"  # the merge of the larger K, and of the factor cases
 SECONDARY = ("loss", *(f"accuracy_{r}" for r in ROLES))
 # factor: (what it shows, its levels as overrides, whether a level remakes θ0)
@@ -176,7 +177,9 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
     def scored(model: str, split: str) -> dict[str, Any]:
         """A model's benchmark scores, per task (``bench/<task>``) and their average (``benchmark``)."""
         row = scores.get((model, split))
-        return {} if row is None else {"benchmark": row["average"], **{f"bench/{t}": row[t] for t in bench["tasks"]}}
+        if row is None:
+            return {}
+        return {"benchmark": row["average"], **{f"bench/{t}": row.get(t) for t in bench["tasks"]}}
 
     if case.flow == "joint":
         joint = next(m for m in report["models"] if m["name"] == "joint")
@@ -186,6 +189,8 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
     apart = {f"MERIT-{k}": pairs_apart(run_dir)}
     apart |= {f"{name.capitalize()}-{k}": pairs_apart(control_dir(run_dir, name)) for name in SPLIT_OF}
     rows = []
+    if case.base is None and (CONSTANT, "—") in scores:  # the toy tasks' constant answers: once per data made
+        rows.append(case.labels | {"model": CONSTANT_LABEL, "split": "—"} | scored(CONSTANT, "—"))
     for r in report.get("quality", {}).get("rows", []):
         if r["model"] == "theta0" and case.base is not None:
             continue  # θ0 once per θ0 made
@@ -323,9 +328,10 @@ def main_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _order(a: dict[str, Any]) -> tuple[int, float, float]:
-    """θ0, the joint baselines by epochs, then the merges by K (first-seen order within a K)."""
+    """The constant answers, θ0, the joint baselines by epochs, then the merges by K (first-seen
+    order within a K)."""
     if a["split"] == "—":
-        return (0, a["model"] != "theta0", a.get("joint_epochs", 1.0))
+        return (0, {CONSTANT_LABEL: -1, "theta0": 0}.get(a["model"], 1), a.get("joint_epochs", 1.0))
     return (1, a["K"], 0.0)
 
 

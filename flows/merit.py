@@ -8,7 +8,6 @@ Every stage is idempotent, so re-running a flow on the same run directory resume
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable
 
 import prefect.runtime.flow_run
@@ -18,21 +17,19 @@ from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 
 from flows import tasks
+from flows.benchmarks import BenchmarkJobs
 from flows.heartbeat import heartbeat
 from flows.progress import BranchProgress
 from flows.report import artifact_key, report
+from flows.slots import SlotPool
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
-from pipeline.eval.benchmarks import benchmarked
 from pipeline.eval.heldout import evaluated
 from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
 from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
 
 POLL_S = 2.0  # how often the flow refreshes the training progress
-# Models whose lmms-eval process may run at once: most of one is start-up (imports, task files,
-# the model's load), which overlaps well; two 7B models in bf16 fit one 80 GB GPU.
-BENCHMARKS_AT_ONCE = 2
 Job = tuple[str, str]  # (run directory, branch name): the run's own branches or a control's
 
 
@@ -82,20 +79,11 @@ def train_branches(cfg: RunConfig, run_dir: str, jobs: list[Job], progress_key: 
     labels = {job_label(job): job for job in jobs}
     specs = {label: branch_spec(tasks.run_config(where), where, name) for label, (where, name) in labels.items()}
     progress = BranchProgress(specs, artifact_key(cfg.run.name, progress_key))
-    free, pending, running, finished = branch_slots(cfg, len(jobs)), list(labels), {}, queue.Queue()
+    pool = SlotPool(branch_slots(cfg, len(jobs)), submit)
+    for label, job in labels.items():
+        pool.add(label, job)
     results, failures = {}, {}
-    while pending or running:
-        while pending and free:
-            label, slot = pending.pop(0), free.pop(0)
-            running[label] = (submit(labels[label], slot), slot)
-            running[label][0].add_done_callback(lambda _, label=label: finished.put(label))
-        try:
-            label = finished.get(timeout=POLL_S)
-        except queue.Empty:
-            progress.update()
-            continue
-        future, slot = running.pop(label)
-        free.append(slot)
+    for label, future in pool.finished(POLL_S, progress.update):
         try:
             results[label] = future.result()
         except Exception as err:
@@ -109,22 +97,28 @@ def train_branches(cfg: RunConfig, run_dir: str, jobs: list[Job], progress_key: 
 
 def evaluate_and_report(cfg: RunConfig, run_dir: str) -> str:
     """Evaluate every model of the run and of its controls (held-out figures, then the lmms-eval
-    benchmarks), their diagnostics, then the report. A control's θ0 is the run's (linked):
-    evaluated once, with the run."""
-    benchmarks = []  # lmms-eval processes, running beside the next models' held-out evaluation
-    for where in [run_dir, *map(str, controls_of(cfg, run_dir).values())]:
-        for model, checkpoint in run_models(tasks.run_config(where), where).items():
-            if (where == run_dir or model != "theta0") and evaluated(cfg, model):
-                tasks.evaluate(where, model, checkpoint)
-                if benchmarked(cfg, model):
-                    if len(benchmarks) == BENCHMARKS_AT_ONCE:
-                        benchmarks.pop(0).result()
-                    benchmarks.append(tasks.benchmark.submit(where, model, checkpoint))
+    benchmarks: a job per task of each model on this machine's slots, beside the next models'
+    held-out evaluations), their diagnostics, then the report. A control's θ0 is the run's
+    (linked): evaluated once, with the run. Benchmark jobs that got no score fail the flow after
+    the report is written, each named; a re-run runs only those."""
+    places = [run_dir, *map(str, controls_of(cfg, run_dir).values())]
+    models = [
+        (where, model, checkpoint)
+        for where in places
+        for model, checkpoint in run_models(tasks.run_config(where), where).items()
+        if (where == run_dir or model != "theta0") and evaluated(cfg, model)
+    ]
+    benchmarks = BenchmarkJobs(cfg, run_dir, models, artifact_key(cfg.run.name, "benchmark-jobs"))
+    for where in places:
+        for model in (m for m in models if m[0] == where):
+            tasks.evaluate(*model)
+            benchmarks.add(*model)
         tasks.diagnose(where)
-    for benchmark in benchmarks:
-        benchmark.result()
+    failures = benchmarks.wait()
     done = report(run_dir, cfg.run.name)
     get_run_logger().info(f"report: {done['report']}")
+    if failures:
+        raise RuntimeError(f"{len(failures)} benchmark job(s) got no score: " + "; ".join(failures))
     return done["report"]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from prefect import task
 
 from pipeline.config import RunConfig, load_config
+from pipeline.eval.benchmarks import Slot
 from pipeline.layout import CONFIG
 
 
@@ -184,13 +185,15 @@ def evaluate(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
     return {k: result[k] for k in ("model", "loss", "macro_loss", "token_accuracy", "accuracy", "roles") if k in result}
 
 
-@task(name="benchmark", task_run_name="benchmark-{model}")
-def benchmark(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
-    """The lmms-eval benchmarks of one model (a process of its own); returns its scores (0–100)."""
-    from pipeline.eval.benchmarks import run_benchmarks
+@task(name="benchmark", task_run_name="benchmark-{model}-{task}")
+def benchmark(run_dir: str, model: str, checkpoint: str, task: str, slot: Slot) -> dict[str, Any]:
+    """One lmms-eval job: one task of one model on ``slot``; returns its score (0–100) or its error."""
+    from pipeline.eval.benchmarks import run_benchmark
 
-    result = run_benchmarks(run_config(run_dir), run_dir, model, checkpoint)
-    return {"model": model, "average": result["average"], **{t: s["score"] for t, s in result["tasks"].items()}}
+    record = run_benchmark(run_config(run_dir), run_dir, model, checkpoint, task, slot)
+    return {k: record[k] for k in ("model", "task", "error", "log_tail", "judge_failures") if k in record} | {
+        "score": record["score"]["score"] if "score" in record else None
+    }
 
 
 @task(name="diagnose")

@@ -391,6 +391,8 @@ class JudgeSection(Section):
     base_url: str  # e.g. http://localhost:8000/v1
     model: str  # the judge's model name on that server, e.g. gpt-4o-2024-08-06
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable that holds its key
+    # a judged task with more failed judgements than this gets no score (lmms-eval would score them as numbers)
+    max_failures: int = Field(0, ge=0)
 
 
 class EvalSection(Section):
@@ -405,16 +407,26 @@ class EvalSection(Section):
     max_new_tokens: int = Field(32, ge=1)  # per generated answer
     barrier_points: int = Field(3, ge=0)  # interior points of the loss barrier between branches (0: none)
     branches: bool = True  # evaluate each branch too (at K = 8 with its control: 16 more evaluations)
-    # lmms-eval tasks run on every model (θ0, joint, merges, controls' merges, DiLoCo finals): real
-    # ones (seedbench, mmbench_en_dev, ai2d, textvqa_val, mmmu_val, mathvista_testmini,
-    # llava_in_the_wild, mmvet) with their data in the Hugging Face cache, the built-in corpus's
-    # toy_* tasks (written by prepare), or tasks of your own under include_path.
+    # lmms-eval tasks or groups run on every model (θ0, joint, merges, controls' merges, DiLoCo finals):
+    # real ones (the paper's: seedbench, mmbench_en_dev, ai2d, textvqa_val, mmmu_val,
+    # mathvista_testmini_format, llava_in_the_wild, mmvet) with their data in the Hugging Face cache, the
+    # built-in corpus's toy_* tasks (written by prepare; the judged toy_chat is left out without a
+    # judge), or tasks of your own under include_path.
     benchmarks: list[str] = []
     include_path: list[str] = []  # folders of extra lmms-eval task YAML files
-    judge: JudgeSection | None = None  # required by the judged tasks (llava_in_the_wild, mmvet, mathvista_*)
+    judge: JudgeSection | None = None  # required by the judged tasks (llava_in_the_wild, mmvet, mathvista_*, toy_chat)
     benchmark_limit: int | None = Field(None, ge=1)  # examples per task (lmms-eval --limit); default all
     benchmark_batch_size: int = Field(8, ge=1)
-    benchmark_timeout_s: int = Field(6 * 3600, ge=1)  # one model's lmms-eval process
+    # Generation settings over every task's own (lmms-eval --gen_kwargs), e.g. {max_new_tokens: 64} for a
+    # quick look: the scores are then not the benchmarks' as published.
+    benchmark_gen_kwargs: dict[str, int | float | str] = {}
+    benchmark_timeout_s: int = Field(6 * 3600, ge=1)  # one task of one model (a job); a job past it gets no score
+    # lmms-eval processes per job, data-parallel (one per GPU). Default: on GPUs, the GPUs shared out
+    # among the models to score (at least 1 each); on the CPU, 1.
+    benchmark_processes: int | None = Field(None, ge=1)
+    # The headline metric of a task, where not the paper's (pipeline/eval/lmms_tasks.py) or, for a task
+    # of your own, not the first of its metric_list: e.g. {seedbench: seed_all}.
+    benchmark_metrics: dict[str, str] = {}
     benchmark_branches: bool = False  # also run the benchmarks on every branch (with eval.branches)
 
     @model_validator(mode="after")

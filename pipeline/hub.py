@@ -75,6 +75,18 @@ def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
     return check_model_folder(Path(folder))
 
 
+def dataset_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of a hub data set in the local cache (as ``hf download ID --repo-type dataset``
+    leaves it); None when it is not there. Never downloads."""
+    try:
+        folder = snapshot_download(
+            repo_id, repo_type="dataset", revision=revision, cache_dir=hub_cache(), local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        return None
+    return Path(folder)
+
+
 def check_model_folder(folder: Path) -> Path:
     """A folder transformers can load: a config and safetensors weights (pickled weights are refused)."""
     if not (folder / "config.json").is_file():

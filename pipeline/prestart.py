@@ -110,10 +110,17 @@ _servers: dict[str, _Server] = {}
 _lock = threading.Lock()
 
 
-def start(module: str, args: list[str], env: dict[str, str], preload: list[str], stdout: int | None = None) -> Job:
+def start(
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    preload: list[str],
+    stdout: int | None = None,
+    cwd: str | None = None,
+) -> Job:
     """Run ``python -m module args...`` with ``env`` as a fork of a server that imported
-    ``preload``; its output goes to the file descriptor ``stdout``, or to a pipe read from the
-    handle's ``stdout`` (text)."""
+    ``preload``, in ``cwd`` (default: this process's); its output goes to the file descriptor
+    ``stdout``, or to a pipe read from the handle's ``stdout`` (text)."""
     base = {k: v for k, v in env.items() if k not in PER_JOB}
     key = hashlib.sha256(json.dumps([preload, sorted(base.items())]).encode()).hexdigest()
     read_end = None
@@ -121,7 +128,7 @@ def start(module: str, args: list[str], env: dict[str, str], preload: list[str],
         read, stdout = os.pipe()
         read_end = open(read, errors="replace")  # noqa: SIM115 (the handle's, closed by its reader)
     try:
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd or os.getcwd()}).encode()
         for fresh in (False, True):
             server = _server(key, tuple(preload), base, fresh)
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

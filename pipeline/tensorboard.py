@@ -41,11 +41,13 @@ def log_evaluation(folder: Path, result: dict[str, Any]) -> None:
                     writer.add_scalar(f"heldout_{figure}/{source}", figures[figure], 0)
 
 
-def log_benchmarks(folder: Path, result: dict[str, Any]) -> None:
-    """One model's lmms-eval scores (0–100) per task and their average, at step 0."""
+def log_benchmarks(folder: Path, scores: dict[str, float], average: float | None) -> None:
+    """A model's lmms-eval scores (0–100) as its jobs end, each task's and, once every task has
+    one, their average, at step 0."""
     from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(folder), purge_step=0) as writer:
-        writer.add_scalar("benchmarks/average", result["average"], 0)
-        for task, figures in result["tasks"].items():
-            writer.add_scalar(f"benchmarks/{task}", figures["score"], 0)
+    with SummaryWriter(str(folder)) as writer:
+        for task, value in scores.items():
+            writer.add_scalar(f"benchmarks/{task}", value, 0)
+        if average is not None:
+            writer.add_scalar("benchmarks/average", average, 0)

@@ -140,8 +140,8 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
     ]
     assert 2 * steps[0] - 1 <= steps[1] <= 2 * steps[0]  # ⌈2n / B⌉ against ⌈n / B⌉
     assert not (tmp_path / "cued-s0" / "eval" / "branch-0.json").exists()  # eval.branches: false
-    reused = joint2 / "eval" / "benchmarks" / "theta0" / "scores.json"
-    assert reused.read_text() == (tmp_path / "cued-s0" / "eval" / "benchmarks" / "theta0" / "scores.json").read_text()
+    job = Path("eval") / "benchmarks" / "theta0" / "toy_reading" / "score.json"
+    assert (joint2 / job).read_text() == (tmp_path / "cued-s0" / job).read_text()
     text = (tmp_path / "quality.md").read_text()
     assert "joint (2 epochs)" in text and "MERIT-2 − Random-2" in text and "benchmark average" in text
     assert (tmp_path / "quality-cued.png").stat().st_size > 5_000

@@ -1,135 +1,172 @@
-"""Benchmarks through lmms-eval: how the toy tasks score an answer, the toy suite and its task
-files, lmms-eval itself on the tiny model against a hand count, and preflight's refusals."""
+"""Benchmark jobs through lmms-eval on the tiny θ0: each job's score against a hand count of
+lmms-eval's own samples, a group without an aggregate, the recorded command redoing the job,
+current jobs reused, data-parallel ranks answering as one process does, a job past its time limit
+named while the others keep their scores, the constant-answer baseline, preflight's refusals,
+and the headline metrics read from results shaped as lmms-eval writes them. (The paper's eight
+tasks on hub-shaped caches: tests/test_paper_benchmarks.py; the toy suite: tests/test_toy_suite.py.)"""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import small_config
+from judge_server import JudgeServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pipeline.data import builtin
-from pipeline.data.benchmark import MARKER, TASKS, TASKS_DIR, items, write_tasks
-from pipeline.eval.benchmarks import check_benchmarks, run_benchmarks
-from pipeline.eval.scoring import picked_option, score, token_f1
+from pipeline.data.benchmark import CONSTANTS, TASKS_DIR, write_tasks
+from pipeline.eval.benchmarks import (
+    CONSTANT,
+    SCORE,
+    Slot,
+    benchmark_dir,
+    check_benchmarks,
+    constant_answers,
+    lmms_results,
+    read_scores,
+    run_benchmark,
+)
+from pipeline.eval.lmms_tasks import Headline, TaskPlan, plan_tasks, score
+from pipeline.eval.scoring import score as score_answer
 
-OPTIONS = ["red", "blue", "green", "yellow"]
-
-
-def test_choice_answers_count_by_their_letter_or_the_option_text():
-    for answer in ("B", "B.", "(B)", "B. blue", "  B\n", "blue", "Blue."):
-        assert score("choice", answer, "B", OPTIONS) == 1.0, answer
-    assert picked_option("A red circle", OPTIONS) is None  # the article, not option A
-    assert picked_option("E", OPTIONS) is None  # no fifth option
-    assert score("choice", "C", "B", OPTIONS) == 0.0
-    assert score("choice", "purple", "B", OPTIONS) == 0.0
-
-
-def test_free_form_answers_score_by_exact_match_token_f1_or_the_first_integer():
-    assert score("exact", " Cake.", "cake") == 1.0 and score("exact", "a cake", "cake") == 0.0
-    # articles and punctuation aside: {small, red, circle} against {small, blue, circle}
-    assert token_f1("A small red circle.", "A small blue circle") == pytest.approx(2 / 3)
-    assert token_f1("nothing alike", "A small blue circle") == 0.0
-    assert score("f1", "A small blue circle on the left.", "A small blue circle on the left.") == 1.0
-    assert score("number", "The answer is 7, I think 8", "7") == 1.0
-    assert score("number", "seven", "7") == 0.0 and score("number", "17", "7") == 0.0
+TASKS = ["toy_perception", "toy_reading", "toy_reasoning"]
+PARTS = ["toy_reasoning_direct", "toy_reasoning_steps"]
 
 
-def test_a_multiple_choice_answer_names_the_option_that_is_true_of_the_scene():
-    for task in ("toy_perception", "toy_diagram"):
-        for item in items(task, 60, 0, 112):
-            truth = item.options[ord(item.answer) - ord("A")]
-            shapes = item.scene.shapes
-            if "colour" in item.question and task == "toy_perception":
-                assert truth == shapes[0].colour
-            elif "bigger" in item.question:
-                assert truth == max(shapes, key=lambda s: s.radius).colour
-            elif "on the left" in item.question:
-                assert truth == min(shapes, key=lambda s: s.cx).kind
-            elif "on the right" in item.question:
-                assert truth == max(shapes, key=lambda s: s.cx).kind
-            assert len(set(item.options)) == 4 and item.answer in "ABCD"
-        # every letter right equally often: one letter answered to everything scores chance, 25 %
-        assert Counter(item.answer for item in items(task, 60, 0, 112)) == dict.fromkeys("ABCD", 15)
-
-
-def test_the_toy_suite_draws_its_own_inputs_deterministically():
-    assert items("toy_reasoning", 20, 0, 56) == items("toy_reasoning", 20, 0, 56)
-    assert items("toy_reasoning", 20, 0, 56) != items("toy_reasoning", 20, 1, 56)
-    # The warm-up teaches the multiple-choice and description formats on draws of its own.
-    for task, skill in (("toy_perception", "skill_choice"), ("toy_describe", "skill_describe")):
-        scenes = {builtin.draw(skill, i, 0, 56)[0] for i in range(50)}
-        assert not scenes & {item.scene for item in items(task, 50, 0, 56)}
-    dots = items("toy_reasoning", 50, 0, 56)
-    assert all(int(i.answer) == len(i.scene.shapes) + int(i.question.split("Add ")[1].split()[0]) for i in dots)
-    assert {TASKS[t].stands_for for t in TASKS} >= {"AI2D", "TextVQA", "LLaVA-in-the-Wild"}
-
-
-def test_prepare_writes_task_files_that_lmms_eval_loads(tmp_path):
-    from lmms_eval.utils import load_yaml_config
-
-    cfg = small_config("eval.benchmarks=[toy_perception, toy_describe]", "data.builtin.benchmark_examples=5")
-    folder = write_tasks(cfg, tmp_path)
-    assert folder == tmp_path / TASKS_DIR
-    config = load_yaml_config(str(folder / "toy_describe.yaml"), mode="full")
-    records = [json.loads(line) for line in (folder / "toy_describe.jsonl").read_text().splitlines()]
-    assert len(records) == 5 and config["task"] == "toy_describe"
-    assert config["dataset_kwargs"]["data_files"]["test"] == str(folder / "toy_describe.jsonl")
-    image = config["doc_to_visual"](records[0])[0]
-    assert image.tobytes() == items("toy_describe", 1, cfg.run.seed, 112)[0].scene().tobytes()  # lossless PNG
-    assert config["process_results"](records[0], [records[0]["answer"]]) == {"token_f1": 1.0}
-    stamp = (folder / MARKER).stat().st_mtime_ns
-    assert write_tasks(cfg, tmp_path) == folder and (folder / MARKER).stat().st_mtime_ns == stamp  # up to date
-    write_tasks(small_config("eval.benchmarks=[toy_reading]"), tmp_path)
-    assert sorted(p.name for p in folder.glob("*.yaml")) == ["toy_reading.yaml"]
+def samples_of(folder: Path, task: str) -> list[dict]:
+    (file,) = folder.rglob(f"*_samples_{task}.jsonl")
+    return [json.loads(line) for line in file.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def benchmarked(tiny_run):
-    """lmms-eval's qwen2_5_vl on the tiny θ0, two toy tasks of 12 questions."""
+def jobs(tiny_run):
+    """lmms-eval's qwen2_5_vl on the tiny θ0: two toy tasks and the toy group, 12 questions each."""
     _, run_dir = tiny_run
-    cfg = small_config(
-        "eval.benchmarks=[toy_perception, toy_describe]",
-        "data.builtin.benchmark_examples=12",
-        "eval.benchmark_batch_size=4",
-    )
+    cfg = small_config(f"eval.benchmarks=[{', '.join(TASKS)}]", "data.builtin.benchmark_examples=12")
     write_tasks(cfg, run_dir)
-    return cfg, run_dir, run_benchmarks(cfg, run_dir, "theta0", str(run_dir / "init"))
+    theta0 = str(run_dir / "init")
+    return cfg, run_dir, {task: run_benchmark(cfg, run_dir, "theta0", theta0, task) for task in TASKS}
 
 
-def test_lmms_eval_scores_the_tiny_model_as_a_hand_count_of_its_answers(benchmarked):
-    _, run_dir, result = benchmarked
-    folder = run_dir / "eval" / "benchmarks" / "theta0"
-    (results_file,) = folder.rglob("*_results.json")  # lmms-eval's own, as it wrote it
-    lmms = json.loads(results_file.read_text())
-    for task, metric in (("toy_perception", "accuracy"), ("toy_describe", "token_f1")):
-        (samples_file,) = folder.rglob(f"*_samples_{task}.jsonl")
-        answers = {s["doc_id"]: s["filtered_resps"][0] for s in map(json.loads, samples_file.read_text().splitlines())}
-        docs = [json.loads(line) for line in (run_dir / TASKS_DIR / f"{task}.jsonl").read_text().splitlines()]
-        hand = sum(score(d["scoring"], answers[i], d["answer"], d["options"]) for i, d in enumerate(docs)) / len(docs)
-        assert len(answers) == 12
-        assert lmms["results"][task][f"{metric},none"] == pytest.approx(hand)
-        assert result["tasks"][task] == {
-            "metric": f"{metric},none",
-            "value": pytest.approx(hand),
-            "score": pytest.approx(100 * hand),
-            "examples": 12,
-        }
-    assert result["average"] == pytest.approx(sum(t["score"] for t in result["tasks"].values()) / 2)
-    assert "python -m lmms_eval --model qwen2_5_vl" in result["commands"][0]
+def hand_count(run_dir: Path, folder: Path, task: str) -> float:
+    answers = {s["doc_id"]: s["filtered_resps"] for s in samples_of(folder, task)}
+    docs = [json.loads(line) for line in (run_dir / TASKS_DIR / f"{task}.jsonl").read_text().splitlines()]
+    assert len(answers) == len(docs) == 12
+    return sum(score_answer(d["scoring"], answers[i], d["answer"], d["options"]) for i, d in enumerate(docs)) / 12
+
+
+def test_each_job_scores_its_task_as_a_hand_count_of_lmms_evals_samples(jobs):
+    _, run_dir, records = jobs
+    for task in ("toy_perception", "toy_reading"):
+        folder = benchmark_dir(run_dir, "theta0") / task
+        lmms = json.loads(lmms_results(folder).read_text())  # lmms-eval's own, as it wrote it
+        hand = hand_count(run_dir, folder, task)
+        assert lmms["results"][task]["accuracy,none"] == pytest.approx(hand)
+        assert records[task]["score"] == {"metric": "accuracy,none", "value": hand, "score": 100 * hand, "examples": 12}
+    scores = read_scores(run_dir, "theta0", TASKS)
+    assert scores["average"] == pytest.approx(sum(s["score"] for s in scores["tasks"].values()) / 3)
     events = EventAccumulator(str(run_dir / "eval" / "tensorboard" / "theta0" / "benchmarks")).Reload()
-    assert events.Scalars("benchmarks/average")[0].value == pytest.approx(result["average"])
+    assert events.Scalars("benchmarks/average")[-1].value == pytest.approx(scores["average"])
+    assert events.Scalars("benchmarks/toy_reading")[-1].value == pytest.approx(records["toy_reading"]["score"]["score"])
 
 
-def test_benchmarks_up_to_date_are_not_run_again(benchmarked):
-    cfg, run_dir, result = benchmarked
-    scores = run_dir / "eval" / "benchmarks" / "theta0" / "scores.json"
-    stamp = scores.stat().st_mtime_ns
-    assert run_benchmarks(cfg, run_dir, "theta0", str(run_dir / "init")) == result
-    assert scores.stat().st_mtime_ns == stamp
+def test_a_group_without_an_aggregate_is_scored_from_its_tasks_by_their_sizes(jobs):
+    _, run_dir, records = jobs
+    folder = benchmark_dir(run_dir, "theta0") / "toy_reasoning"
+    lmms = json.loads(lmms_results(folder).read_text())
+    assert "toy_reasoning" not in lmms.get("groups", {})  # lmms-eval reports no figure for the group
+    assert not any("," in key for key in lmms["results"]["toy_reasoning"])
+    group = records["toy_reasoning"]["score"]
+    for part in PARTS:
+        assert group["parts"][part]["value"] == pytest.approx(hand_count(run_dir, folder, part))
+    assert group["score"] == pytest.approx(sum(group["parts"][p]["score"] for p in PARTS) / 2)  # 12 questions each
+    assert group["examples"] == 24
+
+
+def test_the_recorded_command_run_as_written_redoes_the_job(jobs):
+    _, run_dir, records = jobs
+    record, folder = records["toy_reading"], benchmark_dir(run_dir, "theta0") / "toy_reading"
+    assert record["command"].startswith(f"cd {folder} && HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m")
+    assert "--seed 0" in record["command"] and record["command"].count("--include_path=") == 1
+    first, answers = lmms_results(folder), [s["filtered_resps"] for s in samples_of(folder, "toy_reading")]
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `python`: this one
+    subprocess.run(["bash", "-c", record["command"]], env=env, check=True, capture_output=True, timeout=300)
+    again = lmms_results(folder)
+    assert again != first
+    redone = json.loads(again.read_text())["results"]["toy_reading"]["accuracy,none"]
+    assert redone == record["score"]["value"]
+    (newest,) = [f for f in folder.rglob("*_samples_toy_reading.jsonl") if f.name.startswith(again.name[:15])]
+    assert [json.loads(line)["filtered_resps"] for line in newest.read_text().splitlines()] == answers
+
+
+def test_a_current_job_is_not_run_again_and_a_changed_one_is(jobs, tiny_run):
+    cfg, run_dir, records = jobs
+    stamps = {t: (benchmark_dir(run_dir, "theta0") / t / SCORE).stat().st_mtime_ns for t in TASKS}
+    for task in TASKS:
+        assert run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), task) == records[task]
+    assert {t: (benchmark_dir(run_dir, "theta0") / t / SCORE).stat().st_mtime_ns for t in TASKS} == stamps
+    capped = small_config(f"eval.benchmarks=[{', '.join(TASKS)}]", "eval.benchmark_gen_kwargs={max_new_tokens: 4}")
+    record = run_benchmark(capped, run_dir, "theta0", str(run_dir / "init"), "toy_reading")
+    assert (
+        record["identity"]["gen_kwargs"] == {"max_new_tokens": 4}
+        and "--gen_kwargs max_new_tokens=4" in record["command"]
+    )
+    run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), "toy_reading")  # back to the fixture's
+
+
+def test_data_parallel_ranks_answer_every_question_as_one_process_does(jobs):
+    """lmms-eval's torchrun mode on 2 CPU ranks (gloo): each rank answers half the questions, rank 0
+    gathers them. One question a batch, so that no answer depends on what it is batched with."""
+    _, run_dir, _ = jobs
+    tasks = "eval.benchmarks=[toy_perception, toy_reasoning]"
+    cfg = small_config(tasks, "data.builtin.benchmark_examples=12", "eval.benchmark_batch_size=1")
+    theta0 = str(run_dir / "init")
+    for task in ("toy_perception", "toy_reasoning"):
+        one = run_benchmark(cfg, run_dir, "ranks-1", theta0, task, Slot(processes=1))
+        two = run_benchmark(cfg, run_dir, "ranks-2", theta0, task, Slot(processes=2))
+        assert "torch.distributed.run --standalone --nproc_per_node=2" in two["command"]
+        assert one["score"] == two["score"] and one["identity"] == two["identity"]
+        for part in PARTS if task == "toy_reasoning" else [task]:
+            answers = [samples_of(benchmark_dir(run_dir, m) / task, part) for m in ("ranks-1", "ranks-2")]
+            assert [(s["doc_id"], s["filtered_resps"]) for s in answers[0]] == sorted(
+                (s["doc_id"], s["filtered_resps"]) for s in answers[1]
+            )
+
+
+def test_a_job_past_its_time_limit_is_named_with_its_log_and_the_others_keep_their_scores(jobs):
+    cfg, run_dir, _ = jobs
+    late = small_config(f"eval.benchmarks=[{', '.join(TASKS)}]", "eval.benchmark_timeout_s=1")
+    folder = benchmark_dir(run_dir, "late")
+    for task in TASKS[:2]:  # the first one scored in time, the second killed at 1 s
+        settings = cfg if task == TASKS[0] else late
+        run_benchmark(settings, run_dir, "late", str(run_dir / "init"), task)
+    record = json.loads((folder / TASKS[1] / SCORE).read_text())
+    assert record["error"] == "ran past eval.benchmark_timeout_s (1 s)" and "score" not in record
+    assert (folder / TASKS[1] / "lmms_eval.log").is_file()  # the folder is kept, whole
+    scores = read_scores(run_dir, "late", TASKS[:2])
+    assert set(scores["tasks"]) == {TASKS[0]} and scores["failed"][TASKS[1]]["error"] == record["error"]
+    assert scores["average"] is None  # an average over some of the tasks compares nothing
+    assert run_benchmark(cfg, run_dir, "late", str(run_dir / "init"), TASKS[1])["score"]  # a re-run retries it
+
+
+def test_the_constant_baseline_scores_each_toy_task_at_its_best_single_answer(jobs):
+    cfg, run_dir, _ = jobs
+    constants = json.loads((run_dir / TASKS_DIR / CONSTANTS).read_text())
+    for task in ("toy_perception", "toy_reading"):
+        record = run_benchmark(cfg, run_dir, CONSTANT, constant_answers(run_dir), task)
+        assert "error" not in record and "--model merit_constant" in record["command"]
+        answer = constants[task]["answer"]
+        assert all(s["filtered_resps"] == answer for s in samples_of(benchmark_dir(run_dir, CONSTANT) / task, task))
+        docs = [json.loads(line) for line in (run_dir / TASKS_DIR / f"{task}.jsonl").read_text().splitlines()]
+        expected = sum(score_answer(d["scoring"], answer, d["answer"], d["options"]) for d in docs) / len(docs)
+        assert record["score"]["value"] == pytest.approx(expected) == constants[task]["value"]  # prepare's figure
+
+
+# --- preflight ---------------------------------------------------------------------------------
 
 
 def dataset_snapshot(hf_home: Path, repo_id: str) -> None:
@@ -145,20 +182,70 @@ def test_preflight_refuses_a_judged_task_without_a_judge_and_a_task_without_data
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("JUDGE_KEY", raising=False)
-    tasks = "eval.benchmarks=[ai2d, mmvet, toy_perception, no_such_task]"
+    tasks = "eval.benchmarks=[ai2d, mmvet, toy_perception, no_such_task, mathvista_testmini]"
     with pytest.raises(ValueError) as refused:
         check_benchmarks(small_config(tasks))
     message = str(refused.value)
-    assert "['mmvet'] are scored by a judge model: set eval.judge" in message
+    assert "['mmvet', 'mathvista_testmini'] are scored by a judge model: set eval.judge" in message
     assert "fetch it first: hf download lmms-lab-encoder/ai2d --repo-type dataset" in message
     assert "task 'mmvet': its data lmms-lab-encoder/MMVet is not in the Hugging Face cache" in message
+    assert "task 'mathvista_testmini': its data AI4Math/MathVista is not" in message  # read through its tasks
     assert "lmms-eval has no task 'no_such_task'" in message and "toy_perception" not in message
 
-    judge = "eval.judge={base_url: 'http://127.0.0.1:9/v1', model: judge, api_key_env: JUDGE_KEY}"
-    with pytest.raises(ValueError, match=r"need the judge's key in \$JUDGE_KEY"):
-        check_benchmarks(small_config(tasks, judge))
-    for repo in ("lmms-lab-encoder/ai2d", "lmms-lab-encoder/MMVet"):
-        dataset_snapshot(tmp_path / "hf", repo)
-    monkeypatch.setenv("JUDGE_KEY", "secret")
-    cfg = small_config("eval.benchmarks=[ai2d, mmvet, toy_perception]", judge)
-    assert check_benchmarks(cfg) == "ai2d, mmvet, toy_perception"
+    with JudgeServer("good") as judge:
+        settings = f"eval.judge={{base_url: '{judge.base_url}', model: {judge.model}, api_key_env: JUDGE_KEY}}"
+        with pytest.raises(ValueError, match=r"need the judge's key in \$JUDGE_KEY"):
+            check_benchmarks(small_config(tasks, settings))
+        for repo in ("lmms-lab-encoder/ai2d", "lmms-lab-encoder/MMVet"):
+            dataset_snapshot(tmp_path / "hf", repo)
+        monkeypatch.setenv("JUDGE_KEY", "secret")
+        cfg = small_config("eval.benchmarks=[ai2d, mmvet, toy_perception]", settings)
+        answered = f"judge {judge.model} at {judge.base_url} answered 'OK'"
+        assert check_benchmarks(cfg) == f"ai2d, mmvet, toy_perception; {answered}" and judge.calls == 1  # one request
+        wrong = small_config("eval.benchmarks=[ai2d]", settings, "eval.benchmark_metrics={ai2d: anls}")
+        with pytest.raises(ValueError, match=r"task 'ai2d': no headline metric among its metrics \['exact_match'\]"):
+            check_benchmarks(wrong)
+
+
+def test_preflight_leaves_the_judged_toy_task_out_of_a_run_without_a_judge_in_one_line():
+    cfg = small_config("eval.benchmarks=[toy_perception, toy_chat]")
+    assert (
+        check_benchmarks(cfg)
+        == "toy_perception (toy_chat left out: scored by a judge model, and eval.judge is not set)"
+    )
+
+
+# --- headline metrics, from results shaped as lmms-eval writes them ----------------------------
+
+
+def test_the_paper_tasks_are_planned_with_their_named_headline_metrics():
+    shipped = ["seedbench", "mmbench_en_dev", "ai2d", "textvqa_val", "mmmu_val", "mathvista_testmini_format"]
+    plans = plan_tasks([*shipped, "llava_in_the_wild", "mmvet", "mathvista_testmini"], [], {})
+    assert plans["seedbench"].headline == Headline("seed_image", 100.0)  # not seed_video, not seed_all
+    assert plans["llava_in_the_wild"].headline == Headline("gpt_eval_llava_all")
+    assert plans["mathvista_testmini"].headline is None
+    assert plans["mathvista_testmini"].tasks == [f"mathvista_testmini_{v}" for v in ("cot", "solution", "format")]
+    assert plans["mathvista_testmini"].datasets == ("AI4Math/MathVista",)
+    assert plan_tasks(["seedbench"], [], {"seedbench": "seed_all"})["seedbench"].headline.metric == "seed_all"
+
+
+LLAVA = TaskPlan("llava_in_the_wild", (), (), Headline("gpt_eval_llava_all"))
+
+
+def test_a_headline_without_a_value_is_an_error_naming_the_task_never_another_metric():
+    results = {"results": {"llava_in_the_wild": {"gpt_eval_llava_all,none": None, "gpt_eval_llava_conv,none": 61.0}}}
+    with pytest.raises(
+        ValueError, match=r"task 'llava_in_the_wild': its headline metric 'gpt_eval_llava_all,none' has no"
+    ):
+        score(LLAVA, results, {})
+    with pytest.raises(ValueError, match=r"lmms-eval reported no 'gpt_eval_llava_all' for task 'llava_in_the_wild'"):
+        score(LLAVA, {"results": {"llava_in_the_wild": {"gpt_eval_llava_conv,none": 61.0}}}, {})
+
+
+def test_mathvistas_none_at_zero_is_zero_only_when_every_sample_is_wrong():
+    plan = TaskPlan("mathvista_testmini_format", (), (), Headline("llm_as_judge_eval", none_is_zero=True))
+    results = {"results": {plan.name: {"llm_as_judge_eval,none": None}}, "n-samples": {plan.name: {"effective": 2}}}
+    wrong = [{"llm_as_judge_eval": {"true_false": False}}] * 2
+    assert score(plan, results, {plan.name: wrong})["score"] == 0.0
+    with pytest.raises(ValueError, match="has no value"):
+        score(plan, results, {plan.name: [*wrong[:1], {"llm_as_judge_eval": {"true_false": True}}]})

@@ -127,7 +127,7 @@ def test_suites_and_their_generation():
     assert len(names) == len(set(names)) == len(SOURCES)
     assert [len(SUITES[s]) for s in ("finetune", "warmup", "unseen")] == [18, len(SHORT), 5]
     assert {SOURCES[s].family for s in SUITES["warmup"]} == set(SHORT)  # one skill per family with a short answer
-    assert set(FAMILIES) - set(SHORT) == {"relation_choice", "count_plus"}  # the benchmark suite's only
+    assert set(FAMILIES) - set(SHORT) == {"relation_choice"}  # the benchmark suite's only
     cfg = BuiltinSection(examples_per_source=2, image_size=56)
     assert list(generate(None, cfg, 0)) == SUITES["finetune"]
     assert list(generate(None, cfg, 0, "unseen")) == SUITES["unseen"]

@@ -246,8 +246,10 @@ def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_aver
     state = run_flow(run_dir, AVERAGE, *settings, *benchmarks)
     assert state.is_completed(), state.message
     rows = json.loads((run_dir / "report" / "report.json").read_text())["benchmarks"]["rows"]
-    assert [(r["model"], r["kind"]) for r in rows] == [("theta0", "theta0"), ("avg-iid", "diloco")]  # the final too
-    assert (run_dir / "eval" / "benchmarks" / "avg-iid" / "scores.json").is_file()
+    kinds = [("constant", "baseline"), ("theta0", "theta0"), ("avg-iid", "diloco")]  # the final too
+    assert [(r["model"], r["kind"]) for r in rows] == kinds
+    job = run_dir / "eval" / "benchmarks" / "avg-iid" / "toy_reading" / "score.json"
+    assert "score" in json.loads(job.read_text())
     records = json.loads((run_dir / "diloco" / "avg-iid" / "rounds.json").read_text())
     assert [(r["workers"], r["dropped"]) for r in records] == [([0], [1])] * 2
     assert all("avg-iid/1: training exit code 1" in r["failures"]["1"] for r in records)

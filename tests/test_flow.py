@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from judge_server import JudgeServer
 from peft import PeftModel
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -22,6 +23,7 @@ from transformers import AutoModelForImageTextToText
 
 from flows.merit import joint, merit
 from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.eval.benchmarks import lmms_results
 from pipeline.merge import CheckpointReader
 
 ROOT = Path(__file__).parent.parent
@@ -37,7 +39,7 @@ OVERRIDES = [
     "flow.parallel_branches=2",  # on 2 cores: a tiny branch is mostly its processes' start-up
     "merge.fisher_examples=4",  # the Fisher merge: the LoRA flow below and tests/test_shipped_3b.py
     "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}]",
-    "eval.benchmarks=[toy_perception, toy_describe]",
+    "eval.benchmarks=[toy_perception, toy_reasoning, toy_chat]",  # toy_chat: with a judge only
     "data.builtin.benchmark_examples=8",
     "eval.max_examples_per_source=3",  # held-out evaluation at test size: 18 models
     "eval.max_new_tokens=8",
@@ -45,6 +47,7 @@ OVERRIDES = [
 ]
 NO_BENCHMARKS = "eval.benchmarks=[]"  # for flows whose evaluation another test checks
 MERGES = ["token_average", "iso_c"]
+PARTS = ["toy_reasoning_direct", "toy_reasoning_steps"]  # the toy_reasoning group's
 
 
 def run_flow(run_dir: Path, *extra: str):
@@ -68,9 +71,36 @@ def copy_prepared(source: Path, dest: Path, branch: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished_run(prefect_api, tmp_path_factory) -> tuple[Path, object]:
+def judge():
+    """A judge that answers preflight's request, then fails every call until its mode is changed."""
+    with JudgeServer("fail", answered=1) as server, pytest.MonkeyPatch.context() as env:
+        env.setenv("JUDGE_KEY", "secret")
+        yield server
+
+
+def judged_by(judge: JudgeServer) -> str:
+    return f"eval.judge={{base_url: '{judge.base_url}', model: {judge.model}, api_key_env: JUDGE_KEY}}"
+
+
+@pytest.fixture(scope="module")
+def judge_down(prefect_api, judge, tmp_path_factory) -> tuple[Path, object, dict, dict]:
+    """The flow with its judge down after preflight: the models train, merge and are evaluated,
+    every job but toy_chat's scores; the report is written, then the flow fails naming the jobs.
+    Returns the run, its state, its report and θ0's toy_chat job as they were then."""
     run_dir = tmp_path_factory.mktemp("flow") / "run"
-    state = run_flow(run_dir)
+    state = run_flow(run_dir, judged_by(judge))
+    job = run_dir / "eval" / "benchmarks" / "theta0" / "toy_chat"
+    assert (job / "lmms_eval.log").is_file()  # the failed job's folder is kept, whole
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    return run_dir, state, report, json.loads((job / "score.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def finished_run(judge_down, judge) -> tuple[Path, object]:
+    """The same flow re-run with the judge up again: only toy_chat's jobs run."""
+    run_dir = judge_down[0]
+    judge.mode = "good"
+    state = run_flow(run_dir, judged_by(judge))
     assert state.is_completed(), state.message
     return run_dir, state
 
@@ -131,36 +161,61 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
     assert (run_dir / "report" / "report.md").read_text().count("](heldout_loss.png)") == 1  # the file keeps its links
 
 
+def test_a_judge_down_costs_only_its_task_named_in_the_report_and_the_flow_fails_after_it(judge_down, judge):
+    _, state, report, job = judge_down
+    assert state.is_failed()
+    assert (
+        "benchmark job(s) got no score" in state.message
+        and "toy_chat: 8 of 8 judgements by test-judge" in state.message
+    )
+    rows = {(r["model"], r["split"]): r for r in report["benchmarks"]["rows"]}
+    assert len(rows) == 7  # the constant answer, θ0, joint, 2 merges × 2 splits: every model but the branches
+    assert all("toy_chat" not in row and row["average"] is None for row in rows.values())
+    assert all(row["toy_perception"] is not None and "toy_reasoning" in row for row in rows.values())
+    notes = "\n".join(report["benchmarks"]["notes"])
+    for model in ("theta0", "joint", "merged-token_average", "random/merged-iso_c"):
+        assert f"{model}, `toy_chat`: no score: 8 of 8 judgements by test-judge at {judge.base_url} failed" in notes
+    assert job["judge_failures"] == 8 and "score" not in job and job["log_tail"]
+
+
 def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(finished_run):
-    """θ0, the joint baseline and every merge on both splits (not the branches), each scored by
-    lmms-eval in a process of its own, its results file kept; the report's first table."""
+    """θ0, the joint baseline and every merge on both splits (not the branches), each task scored by
+    lmms-eval in a job of its own, its results file kept; the constant-answer baseline first; the
+    report's first table."""
     run_dir, state = finished_run
     report = json.loads((run_dir / "report" / "report.json").read_text())
     rows = {(r["model"], r["split"]): r for r in report["benchmarks"]["rows"]}
     merges = [(f"merged-{m}", split) for m in MERGES for split in ("MERIT-2", "Random-2")]
-    assert set(rows) == {("theta0", "—"), ("joint", "—"), *merges}
+    assert set(rows) == {("constant", "—"), ("theta0", "—"), ("joint", "—"), *merges}
+    assert report["benchmarks"]["rows"][0]["label"] == "constant answer"
     for (model, split), row in rows.items():
         folder = (run_dir / "controls" / "random" if split == "Random-2" else run_dir) / "eval" / "benchmarks" / model
-        (results,) = folder.rglob("*_results.json")  # lmms-eval's own
-        lmms = json.loads(results.read_text())["results"]
-        assert row["toy_perception"] == pytest.approx(100 * lmms["toy_perception"]["accuracy,none"])
-        assert row["toy_describe"] == pytest.approx(100 * lmms["toy_describe"]["token_f1,none"])
-        assert row["average"] == pytest.approx((row["toy_perception"] + row["toy_describe"]) / 2)
-        if model != "joint":
+        for task in ("toy_perception", "toy_chat"):
+            lmms = json.loads(lmms_results(folder / task).read_text())["results"][task]  # lmms-eval's own
+            metric = "accuracy" if task == "toy_perception" else "judge_score"
+            assert row[task] == pytest.approx((100 if task == "toy_perception" else 1) * lmms[f"{metric},none"])
+        parts = [
+            json.loads(lmms_results(folder / "toy_reasoning").read_text())["results"][t]["accuracy,none"] for t in PARTS
+        ]
+        assert row["toy_reasoning"] == pytest.approx(100 * sum(parts) / 2)  # 8 questions each
+        assert row["average"] == pytest.approx((row["toy_perception"] + row["toy_reasoning"] + row["toy_chat"]) / 3)
+        if model not in ("joint", "constant"):
             assert row["vs_joint"] == pytest.approx(row["average"] - rows[("joint", "—")]["average"])
         if split == "MERIT-2":
             assert row["vs_control"] == pytest.approx(row["average"] - rows[(model, "Random-2")]["average"])
     markdown = (run_dir / "report" / "report.md").read_text()
     assert markdown.split("\n## ")[1].startswith("Benchmarks")  # the first section
     assert "sources: 18 fine-tuning, 15 warm-up (θ0), 5 unseen." in markdown  # by role, none dropped
-    assert "`toy_describe` (LLaVA-in-the-Wild)" in markdown and "Best merge on MERIT-2: **" in markdown
+    assert "`toy_chat` (LLaVA-in-the-Wild)" in markdown and "Best merge on MERIT-2: **" in markdown
+    assert "`toy_reasoning` is a group lmms-eval reports no aggregate for" in markdown
+    assert "no score" not in markdown  # the judge's failures of the first run: redone
     assert (run_dir / "report" / "benchmarks.png").stat().st_size > 5_000
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
     table = next(a for a in artifacts if a.key == "demo-benchmarks")
-    assert table.type == "table" and "toy_describe" in json.dumps(table.data)
+    assert table.type == "table" and "toy_chat" in json.dumps(table.data)
 
 
 def test_the_random_control_trains_the_same_k_and_budget_from_the_same_theta0(finished_run):
@@ -227,7 +282,7 @@ def test_the_report_rebuilds_from_the_run_directory_with_its_controls(finished_r
     assert rebuilt["quality"] == original["quality"] and rebuilt["tables"]["quality"] == original["tables"]["quality"]
 
 
-def test_a_rerun_redoes_nothing(finished_run):
+def test_a_rerun_redoes_nothing(finished_run, judge):
     run_dir, _ = finished_run
     outputs = [
         *run_dir.glob("*/final/manifest.json"),
@@ -236,12 +291,12 @@ def test_a_rerun_redoes_nothing(finished_run):
         *run_dir.glob("eval/*.json"),
         *run_dir.glob("controls/random/branches/*/final/manifest.json"),
         *run_dir.glob("controls/random/eval/*.json"),
-        *run_dir.glob("**/eval/benchmarks/*/scores.json"),
+        *run_dir.glob("**/eval/benchmarks/*/*/score.json"),
         *run_dir.glob("**/train.log"),
     ]
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs}
     assert len(before) >= 15
-    assert run_flow(run_dir).is_completed()
+    assert run_flow(run_dir, judged_by(judge)).is_completed()
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs} == before
 
 
@@ -365,6 +420,6 @@ def test_the_lora_flow_trains_adapters_merges_their_delta_w_and_benchmarks_them(
     report = json.loads((run_dir / "report" / "report.json").read_text())
     rows = {(r["model"], r["split"]) for r in report["benchmarks"]["rows"]}
     assert {("theta0", "—"), ("joint", "—"), ("merged-as_adapter", "MERIT-2"), ("merged-fisher", "MERIT-2")} <= rows
-    scores = json.loads((run_dir / "eval" / "benchmarks" / "joint" / "scores.json").read_text())
-    assert "--model merit_qwen2_5_vl" in scores["commands"][0]  # lmms-eval over θ0 + the joint adapter
+    job = json.loads((run_dir / "eval" / "benchmarks" / "joint" / "toy_perception" / "score.json").read_text())
+    assert "--model merit_qwen2_5_vl" in job["command"]  # lmms-eval over θ0 + the joint adapter
     assert "Merged on ΔW" in (run_dir / "report" / "report.md").read_text()

@@ -51,8 +51,8 @@ def overrides(annotation: Path, images: Path) -> list[str]:
         "eval.max_examples_per_source=2",
         "flow.retry_delay_s=0",
         "merge.device=cpu",  # the device
-        # The paper's 8 benchmarks need their data and a judge (test_preflight_names_...): the same
-        # evaluation path on a toy stand-in, 8 questions.
+        # The paper's 8 benchmarks need their data and a judge (test_preflight_names_..., and scored on
+        # hub-shaped caches in tests/test_paper_benchmarks.py): the same path on a toy stand-in, 8 questions.
         "eval.benchmarks=[toy_perception]",
         "data.builtin.benchmark_examples=8",
     ]
@@ -106,7 +106,7 @@ PAPER_DATA = {  # the paper's 8 benchmarks and the data each reads, as lmms-eval
     "ai2d": "lmms-lab-encoder/ai2d",
     "textvqa_val": "lmms-lab-encoder/textvqa",
     "mmmu_val": "lmms-lab-encoder/MMMU",
-    "mathvista_testmini": "AI4Math/MathVista",
+    "mathvista_testmini_format": "AI4Math/MathVista",
     "llava_in_the_wild": "lmms-lab-encoder/llava-bench-in-the-wild",
     "mmvet": "lmms-lab-encoder/MMVet",
 }
@@ -127,7 +127,7 @@ def test_preflight_names_every_benchmark_without_data_and_the_judge_without_its_
     for task, dataset in PAPER_DATA.items():
         assert f"task '{task}': its data {dataset} is not in the Hugging Face cache" in benchmarks, task
         assert f"hf download {dataset} --repo-type dataset" in benchmarks
-    judged = "['mmbench_en_dev', 'mathvista_testmini', 'llava_in_the_wild', 'mmvet']"
+    judged = "['mmbench_en_dev', 'mathvista_testmini_format', 'llava_in_the_wild', 'mmvet']"
     assert f"{judged} need the judge's key in $OPENAI_API_KEY" in benchmarks
     with pytest.raises(PreflightError, match=re.escape(f"{judged} are scored by a judge model: set eval.judge")):
         check_run(load_config(CONFIG, [*settings, "eval.judge=null"]), tmp_path / "run")

@@ -25,6 +25,10 @@ own instruction, which replaces or extends the family's question. Sources come i
 The warm-up and unseen suites draw their inputs in a namespace of their own, so none of their
 examples is a fine-tuning example (only the chance repeats of a small space remain: 20 words,
 100 sums).
+
+The benchmark suite (:mod:`pipeline.data.benchmark`) draws with the multiple-choice families and
+families of its own (:data:`BENCHMARK_FAMILIES`), and outlines its shapes (:class:`OutlinedScene`)
+and writes its words on signs (:class:`Sign`), so that none of its images is a suite's.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, NamedTuple, get_args
+from typing import Any, ClassVar, NamedTuple, get_args
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -118,22 +122,59 @@ class Scene:
     size: int
     shapes: tuple[Shape, ...] = ()
     text: str | None = None
+    # The shapes' outline colour: a class attribute, so the fields (and examples' fingerprints) stay as they were
+    outline: ClassVar[tuple[int, int, int] | None] = None
 
     def __call__(self) -> Image.Image:
         img = Image.new("RGB", (self.size, self.size), "white")
         draw = ImageDraw.Draw(img)
+        pen = {"outline": self.outline, "width": max(1, self.size // 56)} if self.outline else {}
         for s in self.shapes:
             x, y, r = s.cx * self.size, s.cy * self.size, s.radius * self.size
             box = (x - r, y - r, x + r, y + r)
             fill = COLOURS[s.colour]
             if s.kind == "circle":
-                draw.ellipse(box, fill=fill)
+                draw.ellipse(box, fill=fill, **pen)
             elif s.kind == "square":
-                draw.rectangle(box, fill=fill)
+                draw.rectangle(box, fill=fill, **pen)
             else:
-                draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=fill)
+                draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=fill, **pen)
         if self.text:
             draw.text((self.size / 2, self.size / 2), self.text, fill="black", font=_font(self.size // 4), anchor="mm")
+        return img
+
+
+@dataclass(frozen=True)
+class OutlinedScene(Scene):
+    """A scene whose shapes have a dark outline: how the benchmark suite draws its scenes
+    (:mod:`pipeline.data.benchmark`), so that none of them is a suite's image, whose shapes have none."""
+
+    outline: ClassVar[tuple[int, int, int] | None] = (60, 60, 60)
+
+
+@dataclass(frozen=True)
+class Sign:
+    """A word on a pale coloured sign, drawn like a :class:`Scene` (calling it renders the image):
+    the benchmark's reading task writes its words so, where every suite writes them black on white
+    in the middle at a quarter of the image side."""
+
+    size: int
+    word: str
+    colour: str
+    cx: float  # the sign's centre, as fractions of the image side
+    cy: float
+    text_size: float  # the font size, as a fraction of the image side
+
+    def __call__(self) -> Image.Image:
+        img = Image.new("RGB", (self.size, self.size), "white")
+        draw = ImageDraw.Draw(img)
+        font = _font(round(self.text_size * self.size))
+        centre = (self.cx * self.size, self.cy * self.size)
+        left, top, right, bottom = draw.textbbox(centre, self.word, font=font, anchor="mm")
+        pad = self.size // 20
+        pale = tuple((c + 255) // 2 for c in COLOURS[self.colour])  # black letters stay legible on it
+        draw.rounded_rectangle((left - pad, top - pad, right + pad, bottom + pad), radius=pad, fill=pale)
+        draw.text(centre, self.word, fill="black", font=font, anchor="mm")
         return img
 
 
@@ -144,7 +185,7 @@ def _font(size: int) -> ImageFont.ImageFont:
 
 # --- families: (rng, image size) -> (scene or None, question, facts) -------------------------
 Facts = dict[str, Any]
-Draw = tuple[Scene | None, str, Facts]
+Draw = tuple[Scene | Sign | None, str, Facts]
 
 
 def _one_shape(
@@ -237,8 +278,9 @@ def _upper(rng: random.Random, size: int) -> Draw:
     return None, f"Write in capital letters: {word}", {"word": word}
 
 
-# Question formats of instruction-tuned models, that the benchmark suite asks about its own scenes
-# (pipeline.data.benchmark): multiple choice answered by a letter, and detailed descriptions.
+# Question formats of instruction-tuned models that the warm-up teaches: multiple choice answered
+# by a letter, which the benchmark suite asks about its own scenes (pipeline.data.benchmark), and
+# detailed descriptions.
 LETTERS = "ABCD"
 CHOICE_PROMPT = "Answer with the option's letter from the given choices directly."  # MMBench's, in lmms-eval
 PLACES = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75)}
@@ -308,13 +350,47 @@ def _describe(rng: random.Random, size: int) -> Draw:
     return scene, "Describe the image in detail.", {"text": f"A{text[1:]}."}
 
 
-def _count_plus(rng: random.Random, size: int) -> Draw:
-    """Two steps over an image: count the dots, then add a number (MathVista, MMMU)."""
-    scene, _, facts = _count(rng, size)
-    extra = rng.randint(1, 3)
-    question = f"How many dots are there? Add {extra} to that number. Answer with digits."
-    return scene, question, {"value": facts["n"] + extra}
+# The benchmark suite's own draws, given the question's index: the reading and reasoning draws
+# cycle through every answer (question i has the i-th), so each answer is equally frequent and no
+# constant answer scores more than its share; the chat draw cycles through the places.
+REASONING_VALUES = range(2, 16)  # a count of 1-6 dots plus 1-9
 
+
+def _sign_word(rng: random.Random, size: int, index: int) -> Draw:
+    """A word of :data:`WORDS` on a sign of random colour, place and letter size (TextVQA)."""
+    word = WORDS[index % len(WORDS)]
+    colour, cx, cy = rng.choice(sorted(COLOURS)), rng.uniform(0.4, 0.6), rng.uniform(0.3, 0.7)
+    return Sign(size, word, colour, cx, cy, rng.uniform(0.18, 0.26)), "What is written on the sign?", {"word": word}
+
+
+def _dots_plus(rng: random.Random, size: int, index: int) -> Draw:
+    """Count the dots, then add a number (MathVista, MMMU): 1-6 dots as the count family draws
+    them, and a number chosen so that the sum is the index's."""
+    value = REASONING_VALUES[index % len(REASONING_VALUES)]
+    n = rng.randint(max(1, value - 9), min(6, value - 1))
+    cells = rng.sample([(c, r) for c in range(3) for r in range(3)], n)
+    colour = rng.choice(sorted(COLOURS))
+    dots = tuple(Shape("circle", colour, (c + 0.5) / 3, (r + 0.5) / 3, 0.1) for c, r in cells)
+    extra = value - n
+    return Scene(size, dots), f"How many dots are there? Add {extra} to that number.", {"value": value, "extra": extra}
+
+
+def _scene_chat(rng: random.Random, size: int, index: int) -> Draw:
+    """One shape, its place cycling by index; what is in the picture and where, answered in a
+    sentence no suite answers in (LLaVA-in-the-Wild's conversation questions)."""
+    place = sorted(PLACES)[index % len(PLACES)]
+    shape = _one_shape(rng, *PLACES[place])
+    article = "an" if shape.colour[0] in "aeiou" else "a"
+    text = f"The picture shows {article} {shape.colour} {shape.kind} in its {place} half."
+    facts = {"text": text, "colour": shape.colour, "kind": shape.kind, "place": place}
+    return Scene(size, (shape,)), "What do you see in this picture, and where is it?", facts
+
+
+BENCHMARK_FAMILIES: dict[str, Callable[[random.Random, int, int], Draw]] = {
+    "sign_word": _sign_word,
+    "dots_plus": _dots_plus,
+    "scene_chat": _scene_chat,
+}
 
 FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "colour": _colour,
@@ -333,7 +409,6 @@ FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "choice": _choice,
     "describe": _describe,
     "relation_choice": _relation_choice,  # the benchmark suite's only
-    "count_plus": _count_plus,  # the benchmark suite's only
 }
 
 

@@ -1,50 +1,88 @@
-"""One lmms-eval evaluation of one model, in a process of its own:
-``python -m pipeline.eval.lmms_run SPEC.json`` (the spec :func:`pipeline.eval.benchmarks.run_spec`
-writes). It does what ``python -m lmms_eval`` does, through lmms-eval's own API: its
-``qwen2_5_vl`` model, its tasks, prompts and metrics, its results file and logged samples under
-the spec's ``output_path``; only the task index is narrowed to the run's task folders when every
-task is one of them (lmms-eval otherwise indexes its ~1,000 task files first, seconds a model).
+"""One lmms-eval evaluation: ``python -m pipeline.eval.lmms_run --model … --tasks …``, the command
+the benchmark stage runs and records for each task of each model (run as written, it redoes that
+evaluation). Its options are lmms-eval's own (``python -m lmms_eval``), and it runs lmms-eval's
+models, tasks, prompts and metrics through lmms-eval's API, writing its results file and logged
+samples under ``--output_path``. It differs in three ways, each for a reason:
 
-A process per model: a 7B model's memory is given back when its evaluation ends, and a task
-module that reads its environment at import (the judged tasks do) sees this model's settings.
+- only the task folders given by ``--include_path`` (repeatable) are indexed, not lmms-eval's own
+  ~2,000 task files first (seconds per evaluation);
+- ``--seed S`` sets all four of lmms-eval's seeds (Python, NumPy, torch, few-shot) to S;
+- offline (``HF_HUB_OFFLINE=1``), a hub dataset fetched with ``hf download`` is read from the hub
+  cache, where ``datasets`` alone would refuse it (:mod:`pipeline.eval.offline_datasets`).
+
+Data-parallel: started by ``torchrun --nproc_per_node N``, each rank answers its share of the
+questions and rank 0 writes the results (lmms-eval's ``torchrun`` mode; gloo on CPU).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import os
 import sys
-from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from lmms_eval import evaluator
 from lmms_eval.loggers.evaluation_tracker import EvaluationTracker
 from lmms_eval.tasks import TaskManager
 from lmms_eval.utils import get_datetime_str
 
+from pipeline.eval.judge import mark_judge_fallbacks
+from pipeline.eval.offline_datasets import read_hub_datasets_from_cache
 
-def evaluate(spec: dict) -> None:
-    tasks = TaskManager(include_path=spec["include_path"] or None, include_defaults=spec["include_defaults"])
-    tracker = EvaluationTracker(output_path=spec["output_path"])
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.eval.lmms_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model_args", default="")
+    parser.add_argument("--tasks", required=True, help="comma-separated task or group names")
+    parser.add_argument("--include_path", action="append", default=[], help="a folder of task YAMLs (repeatable)")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--gen_kwargs", default="", help="over the tasks' own, e.g. max_new_tokens=64")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_path", required=True)
+    parser.add_argument("--log_samples", action="store_true")
+    return parser.parse_args(argv)
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    read_hub_datasets_from_cache()
+    mark_judge_fallbacks()
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and not dist.is_initialized():  # torchrun: the ranks' group, before the model's Accelerator
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    tasks = TaskManager(include_path=args.include_path or None, include_defaults=not args.include_path)
+    tracker = EvaluationTracker(output_path=args.output_path)
     when = get_datetime_str()
     results = evaluator.simple_evaluate(
-        model=spec["model"],
-        model_args=spec["model_args"],
-        tasks=spec["tasks"],
-        batch_size=spec["batch_size"],
-        device=spec["device"],
-        limit=spec["limit"],
-        log_samples=True,
+        model=args.model,
+        model_args=args.model_args,
+        tasks=args.tasks.split(","),
+        batch_size=args.batch_size,
+        device=args.device,
+        limit=args.limit,
+        gen_kwargs=args.gen_kwargs or None,
+        log_samples=args.log_samples,
         evaluation_tracker=tracker,
         task_manager=tasks,
-        random_seed=spec["seed"],
+        random_seed=args.seed,
+        numpy_random_seed=args.seed,
+        torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed,
         datetime_str=when,
+        distributed_executor_backend="torchrun" if ranks > 1 else "accelerate",
     )
-    if results is None:  # lmms-eval returns None on ranks other than 0; this process is rank 0
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 gathers every rank's answers and writes the files
+    if results is None:
         raise RuntimeError("lmms-eval returned no results")
-    samples = results.pop("samples")
+    samples = results.pop("samples", None) or {}
     tracker.save_results_aggregated(results=results, samples=samples, datetime_str=when)
-    for task in results["configs"]:
+    for task in samples:
         tracker.save_results_samples(task_name=task, samples=samples[task])
 
 
 if __name__ == "__main__":
-    evaluate(json.loads(Path(sys.argv[1]).read_text()))
+    evaluate(parse(sys.argv[1:]))

@@ -1,13 +1,15 @@
 """How the toy benchmark tasks score one answer, each the way its kind of benchmark is scored
-(1.0 right, 0.0 wrong; token F1 in between):
+(1.0 right, 0.0 wrong):
 
 - ``choice``: the option the answer picks, by its letter alone (``B``, ``B.``, ``(B)``,
   ``B. blue``) or, without a letter, by the option's text (``blue``), as lmms-eval's MMBench
   and SeedBench matching do before any judge: right when it is the reference option.
 - ``exact``: the normalised answer equals the reference (TextVQA's exact match).
-- ``f1``: token F1 between answer and reference, words lower-cased without punctuation and
-  articles (SQuAD's), standing in for a judge's rating.
-- ``number``: the first integer in the answer equals the reference (MathVista's quick extraction).
+- ``number``: the last integer in the answer equals the reference: the result, after any
+  working ("4 dots, and 4 + 3 = 7"), as MathVista's answer extraction takes the final answer.
+
+A judged task (``toy_chat``) is scored as LLaVA-in-the-Wild is: :func:`judged_score` of the
+judge's ratings. :func:`token_f1` (SQuAD's) picks its constant answer (pipeline.data.benchmark).
 """
 
 from __future__ import annotations
@@ -51,9 +53,19 @@ def score(scoring: str, answer: str, reference: str, options: list[str] | None =
         return float(picked_option(answer, options or []) == ord(reference) - ord("A"))
     if scoring == "exact":
         return float(normalise(answer) == normalise(reference))
-    if scoring == "f1":
-        return token_f1(answer, reference)
     if scoring == "number":
-        found = _INTEGER.search(answer)
-        return float(found is not None and int(found.group()) == int(reference))
-    raise ValueError(f"unknown scoring '{scoring}' (choice, exact, f1, number)")
+        found = _INTEGER.findall(answer)
+        return float(bool(found) and int(found[-1]) == int(reference))
+    raise ValueError(f"unknown scoring '{scoring}' (choice, exact, number)")
+
+
+def judged_score(ratings: list[list[float]]) -> float | None:
+    """LLaVA-in-the-Wild's score of a judged task: 100 × the mean rating of the answers / the
+    mean rating of the references, over the judgements that did not fail (a failed one, or a
+    reply without two ratings, is ``[-1, -1]``); None when none succeeded (or every reference
+    was rated 0): never a number made of failures."""
+    rated = [pair for pair in ratings if min(pair) >= 0]
+    reference = sum(pair[0] for pair in rated)
+    if not reference:
+        return None
+    return 100 * sum(pair[1] for pair in rated) / reference

@@ -20,7 +20,7 @@ from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
 from pipeline.controls import controls_of
 from pipeline.data.manifest import read_manifest as read_data_manifest
-from pipeline.eval.benchmarks import read_scores
+from pipeline.eval.benchmarks import CONSTANT, constant_answers, model_tasks, read_scores
 from pipeline.layout import (
     BRANCHES,
     CALIBRATION,
@@ -93,7 +93,7 @@ class Control:
     config: RunConfig
     models: list[Evaluation]
     diagnostics: dict[str, Any]
-    benchmarks: dict[str, dict[str, Any]]  # model name -> its current scores.json
+    benchmarks: dict[str, dict[str, Any]]  # model name -> its current benchmark scores (read_scores)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class RunRecords:
     merges: list[Merge]  # in the config's order, those with a manifest
     hashed: dict[str, int]  # bytes hashed writing and verifying checkpoints
     diagnostics: dict[str, Any]  # eval/diagnostics.json
-    benchmarks: dict[str, dict[str, Any]]  # model name -> its current scores.json
+    benchmarks: dict[str, dict[str, Any]]  # model name -> its current benchmark scores (read_scores)
     controls: list[Control]
     diloco: list[dict[str, Any]]  # diloco_runs
 
@@ -136,7 +136,7 @@ def collect(run_dir: str | Path) -> RunRecords:
         merges=merges(cfg, run_dir),
         hashed=bytes_hashed(run_dir),
         diagnostics=read_json(run_dir / EVAL / DIAGNOSTICS),
-        benchmarks=benchmark_scores(run_dir, models),
+        benchmarks=benchmark_scores(cfg, run_dir, models),
         controls=controls,
         diloco=diloco_runs(run_dir),
     )
@@ -251,22 +251,20 @@ def _merged_name(source: str) -> str:
     return source
 
 
-def benchmark_scores(run_dir: Path, models: list[Evaluation]) -> dict[str, dict[str, Any]]:
-    """Each model's lmms-eval scores, those of the weights it has now."""
+def benchmark_scores(cfg: RunConfig, run_dir: Path, models: list[Evaluation]) -> dict[str, dict[str, Any]]:
+    """Each model's lmms-eval scores, those of the weights it has now, and the constant-answer
+    baseline's (the toy tasks' best single answers), when it was scored."""
     found = {}
-    for m in models:
-        scores = read_scores(run_dir, m.name)
-        checkpoint = Path(m.checkpoint or "")
-        if scores is None or (checkpoint.exists() and scores["identity"]["checkpoint_id"] != checkpoint_id(checkpoint)):
-            continue  # not benchmarked, or weights replaced since
-        found[m.name] = scores
+    for name, checkpoint in [(m.name, m.checkpoint) for m in models] + [(CONSTANT, constant_answers(run_dir))]:
+        if scores := read_scores(run_dir, name, model_tasks(cfg, name), checkpoint):
+            found[name] = scores
     return found
 
 
 def control(name: str, folder: Path) -> Control:
     cfg = load_config(folder / CONFIG)
     models = evaluations(cfg, folder)
-    return Control(name, cfg, models, read_json(folder / EVAL / DIAGNOSTICS), benchmark_scores(folder, models))
+    return Control(name, cfg, models, read_json(folder / EVAL / DIAGNOSTICS), benchmark_scores(cfg, folder, models))
 
 
 def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:

@@ -89,7 +89,7 @@ def derive(records: RunRecords) -> Derived:
     scores = {c.name: (controls[c.name], c.benchmarks) for c in records.controls}
     benchmarks = benchmark_section(cfg, models, records.benchmarks, scores)
     if benchmarks:
-        report["benchmarks"] = {k: benchmarks[k] for k in ("tasks", "rows", "verdict")}
+        report["benchmarks"] = {k: benchmarks[k] for k in ("tasks", "rows", "verdict", "notes")}
     diagnostics = {"merit": records.diagnostics} | {c.name: c.diagnostics for c in records.controls}
     quality = quality_section(cfg, models, controls, diagnostics)
     if quality:
@@ -259,9 +259,11 @@ def brief(sources: list[str], shown: int = 6) -> str:
     return ", ".join(sources[:shown]) + more
 
 
-def benchmark_bars(rows: list[dict[str, Any]]) -> Bars:
+def benchmark_bars(rows: list[dict[str, Any]]) -> Bars | None:
+    """The benchmark average of every row that has one."""
+    rows = [r for r in rows if r["average"] is not None]
     labels = [r["label"] + ("" if r["split"] == "—" else f" ({r['split']})") for r in rows]
-    return Bars(labels, [r["kind"] for r in rows], [r["average"] for r in rows])
+    return Bars(labels, [r["kind"] for r in rows], [r["average"] for r in rows]) if rows else None
 
 
 def per_source_delta(

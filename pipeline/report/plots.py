@@ -19,6 +19,7 @@ KIND_COLOURS = {
     "merged": "tab:orange",
     "diloco": "tab:red",
     "other": "tab:purple",
+    "baseline": "tab:brown",  # the constant-answer baseline of the benchmarks
 }
 ANNOTATE_CELLS = 200  # above this many heatmap cells the numbers would be unreadable
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint import write_json_atomic, write_text_atomic
-from pipeline.report.benchmarks import stand_ins
+from pipeline.report.benchmarks import CONSTANT_NOTE, stand_ins
 from pipeline.report.derive import MERIT_SHARE_PCT, TARGET_SHARE_PCT, Derived, Figures, brief
 from pipeline.report.plots import plot_diloco, plot_model_bars, plot_per_source, plot_quality, plot_training_curves
 
@@ -103,13 +103,16 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     if bench := report.get("benchmarks"):
         section(
             "Benchmarks",
-            "lmms-eval tasks none of the models was fine-tuned on, scored 0–100 (accuracy, token F1, or as a "
-            "judge model rates the answers), and their mean, as in the MERIT paper's Table 2. "
-            + stand_ins(bench["tasks"]),
+            "lmms-eval tasks none of the models was fine-tuned on, each scored 0–100 by its headline metric "
+            "(accuracy, or as a judge model rates the answers), and their mean, as in the MERIT paper's Table 2. "
+            + stand_ins(bench["tasks"])
+            + (CONSTANT_NOTE if any(r["kind"] == "baseline" for r in bench["rows"]) else ""),
             bench["verdict"],
             figure.get("benchmarks.png", ""),
             markdown_table(**tables["benchmarks"]),
-            "Each model's results file and samples, as lmms-eval wrote them: `eval/benchmarks/<model>/`.",
+            "\n".join(f"- {note}" for note in bench.get("notes", [])),
+            "Each job's results file and samples, as lmms-eval wrote them, its log and the command that redoes "
+            "it (`score.json`): `eval/benchmarks/<model>/<task>/`.",
         )
 
     if head := report.get("headline"):
