@@ -27,6 +27,7 @@ from pipeline.eval.benchmarks import (
     check_benchmarks,
     constant_answers,
     lmms_results,
+    log_tail,
     read_scores,
     run_benchmark,
 )
@@ -151,6 +152,17 @@ def test_a_job_past_its_time_limit_is_named_with_its_log_and_the_others_keep_the
     assert set(scores["tasks"]) == {TASKS[0]} and scores["failed"][TASKS[1]]["error"] == record["error"]
     assert scores["average"] is None  # an average over some of the tasks compares nothing
     assert run_benchmark(cfg, run_dir, "late", str(run_dir / "init"), TASKS[1])["score"]  # a re-run retries it
+
+
+def test_a_failed_jobs_log_tail_leads_with_the_error_a_rank_raised(tmp_path):
+    """torchrun reports a rank's exit after the rank's own traceback: the error is kept in front."""
+    error = "[rank1]: AttributeError: 'ConstantAnswers' object has no attribute 'device'"
+    report = [f"  rank      : 1 (local_rank: {i})" for i in range(20)]
+    log = tmp_path / "lmms_eval.log"
+    log.write_text("\n".join(["[rank1]: Traceback (most recent call last):", error, *report, "ChildFailedError: "]))
+    assert log_tail(log) == [error, "…", *report[-14:], "ChildFailedError: "]
+    log.write_text("\n".join(["loading", "ValueError: no such task"]))
+    assert log_tail(log) == ["loading", "ValueError: no such task"]  # already in the tail
 
 
 def test_the_constant_baseline_scores_each_toy_task_at_its_best_single_answer(jobs):

@@ -51,14 +51,16 @@ SCORE = "score.json"
 LOG = "lmms_eval.log"
 RESULTS_NAME = re.compile(r"\d{8}_\d{6}_results\.json")
 LOG_TAIL = 15  # lines of a failed job's log kept in its score.json
+EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b")  # a traceback's last line
 LMMS_MODEL = "qwen2_5_vl"
 ADAPTED_MODEL = "merit_qwen2_5_vl"  # the same over θ0 + a LoRA adapter (pipeline.eval.lmms_plugin)
 CONSTANT = "constant"  # the run's constant-answer baseline, benchmarked on the toy tasks like a model
 JUDGED_TOY = "toy_chat"  # the built-in suite's judged task: left out of a run without a judge
 LMMS_RUN = "pipeline.eval.lmms_run"
 # What an evaluation imports before its first model call (lmms-eval itself, its Qwen2.5-VL model
-# classes, ours over an adapter): imported once by a prestart server on a CPU machine (pipeline.prestart).
-LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "pipeline.eval.lmms_adapted"]
+# classes, ours over an adapter, and nltk, which lmms-eval imports for every task's standard error:
+# a second a job): imported once by a prestart server on a CPU machine (pipeline.prestart).
+LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "pipeline.eval.lmms_adapted", "nltk"]
 
 
 def benchmark_tasks(cfg: RunConfig) -> list[str]:
@@ -240,6 +242,8 @@ def run_benchmark(
     written whole; returns its ``score.json``. A current folder is returned without running."""
     run_dir = Path(run_dir).absolute()
     plan = task_plans(cfg, run_dir)[task]
+    if Path(checkpoint).name == CONSTANTS:
+        slot = Slot()  # constant answers: no model to load, nothing to share out
     device = "cuda" if slot.gpus else "cpu"
     lmms_model, args = model_args(cfg, str(checkpoint), device if slot.processes > 1 or not slot.gpus else "cuda:0")
     wanted = identity(cfg, lmms_model, args, str(checkpoint), plan)
@@ -257,7 +261,7 @@ def run_benchmark(
             record |= _scored(cfg, plan, out)
         except (JobFailed, ValueError) as err:
             record["error"] = str(err)
-            record["log_tail"] = _tail(out / LOG)
+            record["log_tail"] = log_tail(out / LOG)
         record["seconds"] = round(time.monotonic() - started, 1)
         write_json_atomic(out / SCORE, record)
     if "score" in record:
@@ -355,7 +359,7 @@ def _scored(cfg: RunConfig, plan: TaskPlan, out: Path) -> dict[str, Any]:
         if failures > limit:
             return record | {
                 "error": f"{message} (eval.judge.max_failures = {limit}): no score",
-                "log_tail": _tail(out / LOG),
+                "log_tail": log_tail(out / LOG),
             }
         record["judge_note"] = message
     return record | {"score": score(plan, results, samples)}
@@ -378,8 +382,13 @@ def _samples(out: Path, task: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
 
 
-def _tail(log: Path) -> list[str]:
-    return log.read_text(errors="replace").splitlines()[-LOG_TAIL:] if log.is_file() else []
+def log_tail(log: Path) -> list[str]:
+    """A failed job's last log lines, led by its last exception line when that is further up (a
+    rank's error comes before torchrun's own report of the rank's exit)."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    tail = lines[-LOG_TAIL:]
+    raised = [line for line in lines if EXCEPTION.match(line) and "ChildFailedError" not in line]
+    return ([raised[-1], "…"] if raised and raised[-1] not in tail else []) + tail
 
 
 def _read(path: Path) -> dict[str, Any] | None:
