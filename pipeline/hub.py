@@ -87,6 +87,16 @@ def dataset_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     return Path(folder)
 
 
+def dataset_built(repo_id: str, name: str | None = None, cache_dir: str | None = None) -> bool:
+    """Whether ``datasets`` built (this config of) a hub data set in its own cache, where its
+    offline fallback finds it: ``ORG___name_in_snake_case/<config>/<version>/<hash>/``."""
+    from datasets.naming import camelcase_to_snakecase
+
+    org, dataset = repo_id.split("/")
+    root = Path(cache_dir or datasets_cache()).expanduser() / f"{org}___{camelcase_to_snakecase(dataset)}"
+    return any(p.is_dir() for p in root.glob(f"{name or '*'}/*/*"))
+
+
 def check_model_folder(folder: Path) -> Path:
     """A folder transformers can load: a config and safetensors weights (pickled weights are refused)."""
     if not (folder / "config.json").is_file():

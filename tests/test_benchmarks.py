@@ -88,6 +88,20 @@ def test_a_group_without_an_aggregate_is_scored_from_its_tasks_by_their_sizes(jo
     assert group["examples"] == 24
 
 
+def test_a_group_with_an_aggregate_is_scored_by_lmms_evals_own(jobs, tmp_path):
+    """A group of one's own over the toy variants, with lmms-eval's size-weighted mean as its aggregate."""
+    _, run_dir, _ = jobs
+    (tmp_path / "mean.yaml").write_text(
+        "group: toy_reasoning_mean\ntask: [toy_reasoning_direct, toy_reasoning_steps]\n"
+        "aggregate_metric_list:\n  - {metric: accuracy, aggregation: mean, weight_by_size: true}\n"
+    )
+    cfg = small_config("eval.benchmarks=[toy_reasoning, toy_reasoning_mean]", f"eval.include_path=[{tmp_path}]")
+    record = run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), "toy_reasoning_mean")
+    lmms = json.loads(lmms_results(benchmark_dir(run_dir, "theta0") / "toy_reasoning_mean").read_text())
+    aggregate = lmms["groups"]["toy_reasoning_mean"]["accuracy,none"]
+    assert record["score"] == {"metric": "accuracy,none", "value": aggregate, "score": 100 * aggregate, "examples": 24}
+
+
 def test_the_recorded_command_run_as_written_redoes_the_job(jobs):
     _, run_dir, records = jobs
     record, folder = records["toy_reading"], benchmark_dir(run_dir, "theta0") / "toy_reading"

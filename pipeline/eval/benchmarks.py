@@ -40,7 +40,7 @@ from pipeline.config import RunConfig
 from pipeline.data.benchmark import CONSTANT_MODEL, CONSTANTS, TASKS_DIR, is_toy_task, toy_tasks
 from pipeline.eval.judge import check_judge, failed_judgements, judge_environment, judge_style
 from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_and_problems, score
-from pipeline.hub import datasets_cache, hub_cache, offline
+from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
 from pipeline.layout import EVAL
 from pipeline.models.adapter import adapter_base, is_adapter
 from pipeline.tensorboard import log_benchmarks
@@ -126,11 +126,7 @@ def _missing(task: str, dataset: str) -> str:
 def _cached(dataset: str) -> bool:
     """A dataset repository in the hub cache, or built by ``datasets`` in its own cache; online,
     lmms-eval downloads what is missing."""
-    from pipeline.hub import dataset_snapshot
-
-    if not offline() or (datasets_cache() / dataset.replace("/", "___")).is_dir():
-        return True
-    return dataset_snapshot(dataset) is not None
+    return not offline() or dataset_built(dataset) or dataset_snapshot(dataset) is not None
 
 
 # --- where and how: slots, plans, identities ------------------------------------------------
@@ -358,7 +354,7 @@ def _scored(cfg: RunConfig, plan: TaskPlan, out: Path) -> dict[str, Any]:
         message = f"{failures} of {judgements} judgements by {judge.model} at {judge.base_url} failed or were unusable"
         if failures > limit:
             return record | {
-                "error": f"{message} (eval.judge.max_failures = {limit}): no score",
+                "error": f"{message} (eval.judge.max_failures = {limit})",
                 "log_tail": log_tail(out / LOG),
             }
         record["judge_note"] = message

@@ -60,18 +60,19 @@ FRACTIONS = {"accuracy", "acc", "exact_match", "anls", "relaxed_accuracy", "toke
 class TaskPlan:
     """One entry of ``eval.benchmarks`` as lmms-eval will run it: its folders (all lmms-eval indexes
     for it), the hub datasets it reads, its headline (a task, or a group with an aggregate) or its
-    parts' headlines (a group without one)."""
+    parts' headlines (a group without one), and a group's tasks."""
 
     name: str
     folders: tuple[str, ...]
     datasets: tuple[str, ...]
     headline: Headline | None
     parts: dict[str, Headline] = field(default_factory=dict)
+    members: tuple[str, ...] = ()
 
     @property
     def tasks(self) -> list[str]:
-        """The tasks lmms-eval runs: the task, or the group's subtasks."""
-        return list(self.parts) or [self.name]
+        """The tasks lmms-eval runs: the task, or the group's."""
+        return list(self.members) or [self.name]
 
 
 _index_lock = threading.Lock()
@@ -140,9 +141,10 @@ def _plan(manager: Any, name: str, metrics: dict[str, str]) -> TaskPlan:
         metric = metrics.get(name, aggregates[0])
         if metric not in aggregates:
             raise ValueError(f"group '{name}' aggregates {aggregates}, not '{metric}' (eval.benchmark_metrics)")
-        return TaskPlan(name, folders, datasets, Headline(metric, 100.0 if metric in FRACTIONS else 1.0))
+        headline = Headline(metric, 100.0 if metric in FRACTIONS else 1.0)
+        return TaskPlan(name, folders, datasets, headline, members=tuple(subtasks))
     parts = {t: _headline(t, c, metrics) for t, c in configs.items()}
-    return TaskPlan(name, folders, datasets, None, parts)
+    return TaskPlan(name, folders, datasets, None, parts, tuple(subtasks))
 
 
 def _config(yaml_path: str) -> dict[str, Any]:
@@ -193,7 +195,7 @@ def score(plan: TaskPlan, results: dict[str, Any], samples: dict[str, list[dict[
     if plan.headline is not None:
         table = "groups" if plan.name in results.get("groups", {}) else "results"  # a group's own aggregate
         value, key = _value(plan.name, plan.headline, results[table].get(plan.name, {}), samples)
-        examples = _examples(results, plan.name) or sum(_examples(results, t) or 0 for t in results["results"])
+        examples = sum(_examples(results, t) or 0 for t in plan.tasks)
         return {"metric": key, "value": value, "score": value * plan.headline.scale, "examples": examples}
     parts = {}
     for task, headline in plan.parts.items():

@@ -15,10 +15,9 @@ import functools
 from pathlib import Path
 
 import datasets
-from datasets.naming import camelcase_to_snakecase
 
 from pipeline.config import ConfigError
-from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache, offline
+from pipeline.hub import REPO_ID, dataset_built, dataset_snapshot, datasets_cache, offline
 
 
 class DatasetNotFoundError(ConfigError):
@@ -37,7 +36,7 @@ def read_hub_datasets_from_cache() -> None:
         # built before (its own offline fallback reads the build) load as they always did.
         name = args[0] if args else kwargs.get("name")
         local = not REPO_ID.fullmatch(str(path)) or Path(path).expanduser().exists()
-        if local or _built(path, name, kwargs.get("cache_dir")):
+        if local or dataset_built(path, name, kwargs.get("cache_dir")):
             return load_dataset(path, *args, **kwargs)
         folder = dataset_snapshot(path, kwargs.pop("revision", None))  # the revision picks the snapshot
         if folder is None:
@@ -50,11 +49,3 @@ def read_hub_datasets_from_cache() -> None:
 
     from_hub_cache.reads_hub_cache = True
     datasets.load_dataset = from_hub_cache
-
-
-def _built(repo_id: str, name: str | None, cache_dir: str | None) -> bool:
-    """Whether ``datasets`` built this config of the data set before (its offline fallback finds it):
-    ``ORG___name_in_snake_case/<config>/<version>/<hash>/`` under the datasets cache."""
-    org, dataset = repo_id.split("/")
-    root = Path(cache_dir or datasets_cache()).expanduser() / f"{org}___{camelcase_to_snakecase(dataset)}"
-    return any(p.is_dir() for p in root.glob(f"{name or '*'}/*/*"))

@@ -1,8 +1,9 @@
 """The report's first table, the MERIT paper's (Table 2): lmms-eval benchmarks none of the models
 trained on as columns, their average, and θ0, the joint baseline, every merge on MERIT's split
 and on each control's (Random-K) split, the DiLoCo finals as rows; each row's difference to the
-joint baseline and, for a merge on MERIT's split, to the same merge on the control's split.
-Derived from the scores ``collect`` read (``eval/benchmarks/<model>/scores.json``, current ones only).
+joint baseline and, for a merge on MERIT's split, to the same merge on the control's split; the
+toy tasks' constant-answer baseline first. Derived from the scores ``collect`` read (the jobs'
+``eval/benchmarks/<model>/<task>/score.json``, those of each model's current weights).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pipeline.report.quality import merge_label
 
 CONSTANT_NOTE = (
     " The *constant answer* row answers every question of a toy task with the task's best single answer"
-    " (the most frequent letter, word or number; for `toy_chat` one reference sentence, rated by the judge):"
+    " (a letter, word or number; for `toy_chat` one reference sentence, rated by the judge):"
     " a model scores above it only with the skill the task asks for."
 )
 
