@@ -113,8 +113,7 @@ def test_mmbench_answers_the_judge_could_not_match_are_caught_not_scored_as_rand
     record = records["mmbench_en_dev"]
     assert "score" not in record
     assert record["error"] == (
-        f"2 of 2 judgements by {judge.model} at {judge.base_url} failed or were unusable "
-        "(eval.judge.max_failures = 0)"
+        f"2 of 2 judgements by {judge.model} at {judge.base_url} failed or were unusable (eval.judge.max_failures = 0)"
     )
     folder = benchmark_dir(root, "theta0") / "mmbench_en_dev"
     assert (folder / "lmms_eval.log").is_file() and list(folder.rglob("*_samples_mmbench_en_dev.jsonl"))  # kept
