@@ -14,9 +14,10 @@ from statistics import mean, stdev
 import pytest
 from scipy import stats
 
-from benchmarks.quality import add_arguments, aggregate, factor_table, paired, plan_cases
+from benchmarks.quality import CONSTANT_LABEL, add_arguments, aggregate, factor_table, paired, plan_cases
 from merit.cli import main
 from pipeline.data.builtin import CONFLICTS
+from pipeline.eval.benchmarks import CONSTANT
 
 ROOT = Path(__file__).parent.parent
 SIZES = [
@@ -27,6 +28,7 @@ SIZES = [
     "train.checkpoint_every=100",
     "eval.max_new_tokens=8",
     "data.builtin.benchmark_examples=4",
+    "eval.benchmarks=[toy_reading]",  # one task: the bench reads every task's score alike
     "flow.retry_delay_s=0",
     "flow.parallel_branches=2",  # on 2 cores: a tiny branch is mostly its process's start-up
     f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
@@ -108,8 +110,10 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
     base = json.loads((tmp_path / "cued-s0" / "report" / "report.json").read_text())
     assert [r["split"] for r in rows if r.get("merge") == "ties"] == ["MERIT-2", "Random-2"]
     scores = {(r["model"], r["split"]): r for r in base["benchmarks"]["rows"]}
+    constant = next(r for r in rows if r["model"] == CONSTANT_LABEL)  # once, from the case that made the data
+    assert constant["benchmark"] == scores[(CONSTANT, "—")]["average"] and "loss" not in constant
     for row in rows:  # every figure is the case's own report's
-        if row.get("joint_epochs") or row.get("factor"):
+        if row.get("joint_epochs") or row.get("factor") or row is constant:
             continue
         same = next(r for r in base["quality"]["rows"] if (r["model"], r["split"]) == (row["model"], row["split"]))
         assert row["loss"] == same["loss"] and row.get("accuracy_unseen") == same.get("accuracy_unseen")
