@@ -39,10 +39,12 @@ class RunSection(Section):
 
 
 class FreezeSection(Section):
-    """Names as in LLaMA-Factory. The projector is the vision tower's ``merger``."""
+    """LLaMA-Factory's names and defaults, for full and LoRA fine-tuning alike: the vision tower and
+    the projector (the vision tower's ``merger``) frozen, the language model trained, the paper's
+    decoder-only setting."""
 
-    freeze_vision_tower: bool = False
-    freeze_multi_modal_projector: bool = False
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = True
     freeze_language_model: bool = False
 
 
@@ -199,13 +201,15 @@ class TrainSection(Section):
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
     checkpoint_every: int = Field(50, ge=1)
     timeout_s: int = Field(6 * 3600, ge=1)
-    # LoRA through PEFT, with LLaMA-Factory's option names (values copy over unchanged).
+    # LoRA through PEFT, with LLaMA-Factory's option names and LoRA defaults, but full fine-tuning by
+    # default (LLaMA-Factory's is lora); what else differs: docs/guides/lora.md.
     finetuning_type: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float | None = Field(None, gt=0)  # default: 2 × lora_rank
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    # ``all``: every linear layer of the parts that train (not ``lm_head``), or module names
-    # (a name matches a module whose path ends with it), as a list or comma-separated.
+    # ``all``, as LLaMA-Factory resolves it for Qwen2.5-VL: every linear layer of the parts that train,
+    # never ``lm_head`` nor the projector; or module names (a name matches a module whose path ends
+    # with it), as a list or comma-separated.
     lora_target: list[str] | Literal["all"] = "all"
     additional_target: list[str] = []  # modules trained in full and saved whole (PEFT's modules_to_save)
 
@@ -294,6 +298,9 @@ class DilocoMethod(MergeEntry):
     outer_lr: float = Field(0.7, gt=0)  # η
     outer_momentum: float = Field(0.9, ge=0, lt=1)  # μ
     nesterov: bool = True
+    # The workers' weights: by the tokens each trained on (MERIT's merge weights), or equal. Default:
+    # tokens for sync and quorum rounds, equal for async arrivals (1 / R each, as Liu et al. 2024).
+    weighting: Literal["tokens", "equal"] | None = None
 
     @model_validator(mode="after")
     def _no_fisher(self) -> DilocoMethod:
@@ -336,7 +343,7 @@ class DilocoSection(Section):
     # after the step), to rehearse stragglers on equal machines; by worker index.
     slow_workers: dict[int, float] = {}
     # S: a round's tensors split by bytes into S parts, each aggregated on its own (every payload
-    # is read S ways: an aggregator reads 1/S of the bytes); exact, the same weights as S = 1.
+    # is read S ways: an aggregator reads 1/S of the bytes); the same weights as S = 1, bit for bit.
     aggregators: int = Field(1, ge=1)
     # A deployment of the diloco-part flow (prefect.yaml: diloco-part-local): each part of a round
     # is a flow run of it, on a machine of its pool; without it the S parts run at once as threads

@@ -61,7 +61,9 @@ def golden(request):
 
 
 def small_config(*overrides: str) -> RunConfig:
-    return load_config(None, ["data.builtin.examples_per_source=12", *overrides])
+    # Everything trains, as in configs/demo.yaml: the tiny θ0's vision tower is random.
+    everything = ["model.freeze.freeze_vision_tower=false", "model.freeze.freeze_multi_modal_projector=false"]
+    return load_config(None, ["data.builtin.examples_per_source=12", *everything, *overrides])
 
 
 @pytest.fixture(scope="session")

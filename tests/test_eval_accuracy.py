@@ -2,6 +2,7 @@
 run with a source of every role and a tiny model trained in process until it memorises the
 held-out examples of the fine-tuning sources."""
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -33,17 +34,29 @@ def tiny_run(run_dir, *overrides: str) -> RunConfig:
     return cfg
 
 
-def train(cfg: RunConfig, start: str, examples: list[Example], steps: int, lr: float = 3e-3) -> torch.nn.Module:
-    """A model trained from ``start`` on ``examples`` (one full batch, the project's loss)."""
+def train(
+    cfg: RunConfig,
+    start: str,
+    examples: list[Example],
+    steps: int,
+    lr: float = 3e-3,
+    until: Callable[[torch.nn.Module], bool] | None = None,
+) -> torch.nn.Module:
+    """A model trained from ``start`` on ``examples`` (one full batch, the project's loss) for
+    ``steps``, or until ``until(model)`` holds (checked every 50 steps)."""
     torch.manual_seed(0)
     model, processor = load_model(start, cfg.model), load_processor(start, cfg.model)
     batch = Collator(processor.tokenizer.pad_token_id)(Encoder(processor, cfg.data.max_length).encode_batch(examples))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         optimizer.zero_grad()
         mean_nll(model, batch).backward()
         optimizer.step()
+        if until is not None and step % 50 == 0:
+            if until(model.eval()):
+                break
+            model.train()
     return model.eval()
 
 
@@ -62,8 +75,17 @@ def memorised(run, tmp_path_factory):
     """A checkpoint that has learnt the fine-tuning sources' held-out examples by heart."""
     cfg, run_dir = run
     examples = [ex for items in load_split(cfg, run_dir, "heldout", TRAINED).values() for ex in items]
-    model = train(cfg, str(run_dir / "init"), examples, steps=500)
     processor = load_processor(run_dir / "init", cfg.model)
+    references = [normalise(ex.answer()) for ex in examples]
+
+    def answers_every_one(model: torch.nn.Module) -> bool:
+        generate = Generator(model, Encoder(processor, cfg.data.max_length), max_new_tokens=16)
+        return [normalise(answer) for _, answer in generate(examples)] == references
+
+    # To a criterion, not for a fixed number of steps: how many steps memorising takes depends on
+    # the machine's floating-point path (its BLAS kernels), not only on the seed.
+    model = train(cfg, str(run_dir / "init"), examples, steps=3000, until=answers_every_one)
+    assert answers_every_one(model), "3,000 steps did not memorise the held-out examples"
     return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("memorised") / "final", model, processor))
 
 

@@ -36,7 +36,9 @@ def spec(run_dir: Path, out: Path, *overrides: str) -> BranchSpec:
 
 
 def linear_modules(model: torch.nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    """What `all` adapts when nothing is frozen: every linear layer but lm_head and the projector."""
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {n for n in linears if n != "lm_head" and ".visual.merger." not in n}
 
 
 def batch(run_dir: Path, cfg, processor) -> dict[str, torch.Tensor]:
@@ -64,7 +66,7 @@ def test_a_lora_branch_is_a_peft_adapter_that_peft_loads_and_the_project_merges(
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, str(run_dir / "init"))
     assert not list(final.glob("model*.safetensors"))  # the adapter only: θ0 is not copied
     init = AutoModelForImageTextToText.from_pretrained(run_dir / "init")
-    # `all`: every linear layer of the parts that train (nothing is frozen in the demo) but lm_head.
+    # `all`: every linear layer of the parts that train (nothing is frozen in the demo) but lm_head and the projector.
     assert set(manifest["lora"]["modules"]) == linear_modules(init)
     shapes = [m.weight.shape for n, m in init.named_modules() if n in linear_modules(init)]
     assert manifest["lora"]["trainable_parameters"] == sum(4 * (i + o) for o, i in shapes)
@@ -141,7 +143,7 @@ def test_lora_targets_follow_the_freeze_options_and_unknown_names_are_named(run_
     )
     text = lora_targets(load_model(run_dir / "init", frozen_vision), cfg.train)
     assert set(everything) - set(text) == {n for n in everything if ".visual.blocks." in n}
-    assert any(".visual.merger." in n for n in text)  # the projector is not frozen
+    assert not any(".visual.merger." in n for n in everything)  # `all` never takes the projector, frozen or not
     listed = cfg.train.model_copy(update={"lora_target": ["q_proj", "v_proj"]})
     assert {n.rsplit(".", 1)[-1] for n in lora_targets(model, listed)} == {"q_proj", "v_proj"}
     with pytest.raises(ValueError, match=r"lora_target \['qq_proj'\] match no linear module.*'q_proj'"):
@@ -176,6 +178,7 @@ def test_preflight_refuses_lora_settings_that_would_fail_in_the_branches(tmp_pat
         with pytest.raises(PreflightError, match=message):
             check_run(cfg, tmp_path / "run")
     checked = check_run(load_config(ROOT / "configs/demo.yaml", ["train.finetuning_type=lora"]), tmp_path / "run")
-    assert checked["lora"] == "LoRA rank 8, alpha 16, on 26 modules"  # the tiny model's linear layers, lm_head aside
+    # the tiny model's linear layers (the demo trains everything), lm_head and the projector's 2 aside
+    assert checked["lora"] == "LoRA rank 8, alpha 16, on 24 modules"
     diloco = load_config(ROOT / "configs/demo.yaml", ["train.finetuning_type=lora"])
     assert "fresh LoRA adapter" in check_run(diloco, tmp_path / "run", diloco=True)["diloco"]  # LoRA workers

@@ -18,15 +18,23 @@ from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_c
 from pipeline.merge.adapter import AdapterError
 from pipeline.models import init_model, load_model, processor_for
 
-RANKS = (2, 4, 3)
 ATTENTION = ["q_proj", "v_proj", "o_proj", "qkv"]  # the language model's and the vision blocks'
+# Ranks, alphas and scaling rules all differ, so a mix-up of the adapters' scalings cannot pass: the first
+# has a v_proj rank and a q_proj / qkv alpha of their own (PEFT's patterns, the key's alternation grouped),
+# the second rsLoRA (alpha / √r). The first is not rsLoRA: PEFT's ``cat`` takes its scaling rule.
+LORAS = (
+    {"r": 2, "lora_alpha": 5, "rank_pattern": {"self_attn.v_proj": 3}, "alpha_pattern": {"q_proj|qkv": 3}},
+    {"r": 4, "lora_alpha": 5, "use_rslora": True},
+    {"r": 3, "lora_alpha": 7},
+)
+Q_PROJ_SCALING = (3 / 2, 5 / 4**0.5, 7 / 3)  # alpha / r of each adapter's q_proj, by hand
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """θ0 (with a little prepared data), three LoRA adapters of different ranks and targets (random
-    B, so ΔW ≠ 0; the third also saves the projector whole), and the same three as full
-    checkpoints θ0 + ΔW_k, merged by PEFT."""
+    """θ0 (with a little prepared data), three LoRA adapters of different ranks, alphas, scaling rules
+    and targets (random B, so ΔW ≠ 0; the third also saves the projector whole), and the same three as
+    full checkpoints θ0 + ΔW_k, merged by PEFT."""
     root = tmp_path_factory.mktemp("adapters")
     cfg, run_dir = load_config(None, ["data.builtin.examples_per_source=4"]), root / "run"
     init_model(cfg, run_dir)
@@ -34,11 +42,10 @@ def adapters(tmp_path_factory):
     init = run_dir / "init"
     processor = AutoProcessor.from_pretrained(init)
     folders, fulls = [], []
-    for k, rank in enumerate(RANKS):
+    for k, options in enumerate(LORAS):
         model = AutoModelForImageTextToText.from_pretrained(init)
         lora = LoraConfig(
-            r=rank,
-            lora_alpha=2 * rank,
+            **options,
             target_modules=ATTENTION if k != 1 else ["up_proj", "down_proj", "q_proj"],
             modules_to_save=["merger"] if k == 2 else None,
             base_model_name_or_path=str(init),
@@ -109,10 +116,10 @@ def test_weighted_average_of_adapters_is_theta0_plus_the_weighted_sum_of_scaled_
     weights = torch.tensor([100.0, 200.0, 300.0]) / 600
     name, module = "model.layers.0.self_attn.q_proj.weight", "model.language_model.layers.0.self_attn.q_proj"
     expected = theta0[name].clone()
-    for folder, w in zip(folders, weights):
+    for folder, w, scaling in zip(folders, weights, Q_PROJ_SCALING):
         stored = load_file(folder / "adapter_model.safetensors")
         a, b = (stored[f"base_model.model.{module}.lora_{x}.weight"] for x in "AB")
-        expected += w * 2.0 * (b @ a)  # alpha / r = 2
+        expected += w * scaling * (b @ a)
     assert (merged[name] - expected).abs().max() <= 1e-6
     # The projector, saved whole by the third adapter only: τ_3 there, 0 for the others.
     whole = load_file(folders[2] / "adapter_model.safetensors")["base_model.model.model.visual.merger.ln_q.weight"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -78,7 +79,8 @@ def arrival_weight(tokens: float, count: int, tokens_seen: float, window: int) -
     """An asynchronous payload's weight: its tokens over ``window`` times the mean tokens of the
     ``count`` payloads applied so far (this one included, ``tokens_seen`` in all). A window of
     payloads of equal tokens weighs 1 in all, as a synchronous round's weights do; with dynamic
-    local steps a slow worker's shorter payload weighs less, by the tokens it trained on."""
+    local steps a slow worker's shorter payload weighs less, by the tokens it trained on. Every
+    payload counted as 1 token (``weighting: equal``), each weighs 1 / ``window``."""
     return tokens * count / (window * tokens_seen)
 
 
@@ -86,17 +88,26 @@ class AsyncOuter:
     """Asynchronous outer optimisation of ``theta`` (fp32, in place): each worker's Δ_i, taken
     from whatever global it started from, is applied when it arrives (θ ← θ − η w_i Δ_i), and the
     momentum takes the sum of every ``window`` arrivals (delayed Nesterov, ``OuterSGD``'s
-    ``momentum_step``). With ``window`` = R and the R payloads of a round arriving in turn from
-    the same global, R arrivals give exactly one synchronous round of weighted averaging."""
+    ``momentum_step``). w_i is 1 / ``window`` (``weighting`` equal, Liu et al.'s) or by the
+    payload's tokens (``arrival_weight``). With ``window`` = R and the R payloads of a round
+    arriving in turn from the same global, R arrivals give one synchronous round of weighted
+    averaging, up to rounding (the same sum, added in another order)."""
 
-    def __init__(self, theta: dict[str, torch.Tensor], outer: OuterSGD, window: int):
-        self.theta, self.outer, self.window = theta, outer, window
+    def __init__(
+        self,
+        theta: dict[str, torch.Tensor],
+        outer: OuterSGD,
+        window: int,
+        weighting: Literal["tokens", "equal"] = "equal",
+    ):
+        self.theta, self.outer, self.window, self.weighting = theta, outer, window, weighting
         self.momentum: dict[str, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}  # Σ w_i Δ_i of the open window
         self.count, self.tokens_seen = 0, 0.0
 
-    def apply(self, delta: dict[str, torch.Tensor], tokens: float = 1.0) -> float:
-        """Apply one arrival; returns its weight."""
+    def apply(self, delta: dict[str, torch.Tensor], tokens: float) -> float:
+        """Apply one arrival, of a payload trained on ``tokens``; returns its weight."""
+        tokens = tokens if self.weighting == "tokens" else 1.0
         self.count, self.tokens_seen = self.count + 1, self.tokens_seen + tokens
         weight = arrival_weight(tokens, self.count, self.tokens_seen, self.window)
         for name, d in delta.items():

@@ -9,8 +9,9 @@ others (asynchronous Local-SGD, Liu et al. 2024, arXiv 2401.09135).
     diloco/<variant>/workers/<k>/next.json  the payload worker k trains now: its base global, its steps
 
 Arrival v applies payload i of worker k, taken from global b_i ≤ v (its staleness is v − b_i):
-θ_{v+1} = θ_v − η c w_i Δ_i, with w_i its tokens against the mean payload's
-(:func:`~pipeline.diloco.aggregate.arrival_weight`) and c the linear method's scale (1 for
+θ_{v+1} = θ_v − η c w_i Δ_i, with w_i = 1 / R (``weighting: equal``, the default, as Liu et al.
+weigh every arrival alike) or its tokens over R times the mean payload's (``weighting: tokens``;
+:func:`~pipeline.diloco.aggregate.arrival_weight`) and c the linear method's scale (1 for
 averaging). Every R arrivals the momentum takes the window's Σ c w_i Δ_i (delayed Nesterov,
 ``OuterSGD.momentum_step``), read again from the window's payloads, which are kept until then:
 so the aggregator holds per tensor θ, one Δ, the window's sum and the momentum, whatever R.
@@ -21,10 +22,12 @@ send at about the same wall-time cadence and a slow worker's Δ is not many glob
 
 Every worker sends T payloads; the run's last global is R·T (fewer when a worker failed for good).
 
-Replay: arrivals.json is written before the global it leads to, and a worker's base and steps are
-noted (next.json) before it trains. A re-run takes both from there, so a flow killed at any point
-applies the same payloads in the same order, trained from the same globals for the same steps: the
-same weights. Given an earlier run's arrivals.json (``diloco.replay``), a run replays that run.
+Replay: arrivals.json is written before the global it leads to, with the digest of the payload
+each arrival applies, and a worker's base and steps are noted (next.json) before it trains. A
+re-run takes both from there, so a flow killed at any point applies the same payloads in the same
+order, trained from the same globals for the same steps: the same weights. Given an earlier run's
+arrivals.json (``diloco.replay``), a run replays that run (its payloads trained again here: their
+digests are not carried over).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from pipeline.diloco.rounds import (
     link,
     outer_of,
     outer_state,
+    payload_digest,
     records,
     rounds_done,
     write_stepped,
@@ -79,6 +83,9 @@ class Arrival(BaseModel):
     steps: int
     tokens: int
     weight: float
+    # The payload's digest (``rounds.payload_digest``), checked when it is applied; none in a file
+    # from another run (``diloco.replay``: its payloads are trained again here) or an older one.
+    digest: str | None = None
 
 
 def arrivals(plan: DilocoPlan) -> list[Arrival]:
@@ -166,16 +173,17 @@ def next_arrival(plan: DilocoPlan, applied: list[Arrival]) -> Arrival | None:
         return None
     k = min(published)[1]
     meta = read_manifest(delta_dir(plan, sent[k], k))
-    tokens = int(meta["tokens"]) if plan.method.weighting == "tokens" else 1
-    seen = sum(a.tokens for a in applied) + tokens
-    weight = arrival_weight(tokens, len(applied) + 1, seen, plan.size)
+    counted = [a.tokens for a in applied] + [int(meta["tokens"])]
+    if plan.method.weighting == "equal":  # every arrival alike (Liu et al.): 1 / R each
+        counted = [1] * len(counted)
     return Arrival(
         worker=k,
         payload=sent[k],
         base=meta["base"],
         steps=meta["steps"][1] - meta["steps"][0],
-        tokens=tokens,
-        weight=weight,
+        tokens=int(meta["tokens"]),
+        weight=arrival_weight(counted[-1], len(counted), sum(counted), plan.size),
+        digest=payload_digest(delta_dir(plan, sent[k], k)),
     )
 
 
@@ -202,7 +210,14 @@ def apply_arrival(
     start, arrival = time.perf_counter(), schedule[v]
     closes = closes_window(plan, v)
     theta = CheckpointReader(global_dir(plan, v))
-    meta = verify_checkpoint(delta_dir(plan, arrival.payload, arrival.worker))
+    folder = delta_dir(plan, arrival.payload, arrival.worker)
+    meta = verify_checkpoint(folder)
+    digest = payload_digest(folder)
+    if arrival.digest not in (None, digest):
+        raise RuntimeError(
+            f"DiLoCo {plan.variant} arrival {v}: {Path(plan.folder) / ARRIVALS} records payload "
+            f"{arrival.digest[:12]} of worker {arrival.worker}, and {folder} holds another"
+        )
     step = _ArrivalStep(plan, theta, window(plan, schedule, v) if closes else [arrival], closes, device)
     step.previous = outer_state(plan, v)
     trained = set(step.trained)
@@ -213,7 +228,7 @@ def apply_arrival(
         if not closes and step.previous is not None:  # the momentum moves once a window: the same files
             hashes |= _link_outer(global_dir(plan, v), tmp)
         copy_aux_files(theta.aux_files(), tmp)
-        record = _record(plan, v, arrival, meta, step, closes) | (notes or {})
+        record = _record(plan, v, arrival, digest, meta, step, closes) | (notes or {})
         record["seconds"]["aggregate"] = round(time.perf_counter() - start, 4)
         if began is not None:
             record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
@@ -276,7 +291,7 @@ def _link_outer(previous: Path, tmp: Path) -> dict[str, str]:
 
 
 def _record(
-    plan: DilocoPlan, v: int, arrival: Arrival, meta: dict[str, Any], step: _ArrivalStep, closes: bool
+    plan: DilocoPlan, v: int, arrival: Arrival, digest: str, meta: dict[str, Any], step: _ArrivalStep, closes: bool
 ) -> dict[str, Any]:
     """The arrival as the report shows it (the fields of a synchronous round's record, for one
     worker). Bytes: the payload sent (a LoRA worker's adapter), the global its worker fetches next
@@ -289,6 +304,7 @@ def _record(
         "round": v,
         "outer_round": (v + 1) / plan.size,  # in rounds of R arrivals, to set beside synchronous rounds
         "workers": [arrival.worker],
+        "digests": {str(arrival.worker): digest},
         "payload": arrival.payload,
         "base": arrival.base,
         "staleness": v - arrival.base,
@@ -336,8 +352,8 @@ def retire(plan: DilocoPlan, v: int, schedule: list[Arrival]) -> None:
 
 def _remove(path: Path) -> None:
     """Gone at once for a reader (a rename), then deleted."""
+    hidden = path.with_name(f".{path.name}.retired")
+    shutil.rmtree(hidden, ignore_errors=True)  # also what a kill between the rename and the deletion left
     if path.is_dir():
-        hidden = path.with_name(f".{path.name}.retired")
-        shutil.rmtree(hidden, ignore_errors=True)
         path.rename(hidden)
         shutil.rmtree(hidden, ignore_errors=True)

@@ -42,6 +42,7 @@ from pipeline.diloco.rounds import (
     abort,
     aggregate_part,
     aggregate_round,
+    decide_round,
     delta_dir,
     global_dir,
     records,
@@ -159,6 +160,13 @@ class Evaluator:
         if (last or done == self.plan.final or (every > 0 and done % every == 0)) and r not in self.pending:
             self.pending[r] = self.pool.submit(self._evaluate, r)
 
+    def resume(self) -> None:
+        """Evaluate the globals whose evaluation a kill interrupted: due, still there, their record
+        without a loss."""
+        for record in records(self.plan):
+            if "heldout_loss" not in record and (global_dir(self.plan, record["round"] + 1) / MANIFEST).is_file():
+                self.submit(record["round"])
+
     def wait_before(self, v: int) -> None:
         """Wait for the evaluations of the globals older than v (about to be deleted)."""
         for r, future in list(self.pending.items()):
@@ -194,19 +202,20 @@ def run_rounds(
     """Train one DiLoCo variant to its last global (or resume it); ``progress`` gets the % done."""
     log = log or logging.getLogger(__name__)
     plan.fix()
-    done = rounds_done(plan)
-    if done >= plan.final:
-        return
-    log.info(
-        f"DiLoCo {plan.variant}: {plan.size} workers, {plan.rounds} rounds of {plan.inner_steps} steps ({plan.sync})"
-    )
-    evaluator = Evaluator(cfg, run_dir, plan)
-    if done:  # killed between writing global `done` and recording it: finish that round's bookkeeping
+    done, evaluator = rounds_done(plan), Evaluator(cfg, run_dir, plan)
+    if done:  # killed after writing global `done`, maybe before its bookkeeping: finish it (the last round's too)
         recover(plan, done - 1)
         if plan.sync == "async":
             retire_arrivals(plan, done - 1, arrivals(plan))
         else:
             retire(plan, done - 1)
+        evaluator.resume()
+    if done >= plan.final:
+        evaluator.finish()
+        return
+    log.info(
+        f"DiLoCo {plan.variant}: {plan.size} workers, {plan.rounds} rounds of {plan.inner_steps} steps ({plan.sync})"
+    )
     if cfg.diloco.replay and not arrivals(plan):
         save_arrivals(plan, replayed(cfg.diloco.replay, plan))
     abort(plan, None)
@@ -243,7 +252,33 @@ class _Loop:
         return self.arrive(r, began) if self.plan.sync == "async" else self.aggregate(r, began)
 
     def aggregate(self, r: int, began: float) -> float:
-        """Round r once its payloads are in: aggregate, outer step, record; returns when it ended."""
+        """Round r once its payloads are in: decide its members (or take those a killed run
+        recorded), aggregate, outer step, record; returns when it ended."""
+        plan, workers = self.plan, self.workers
+        entry = decide_round(plan, r, lambda: self.wait(r))
+        sent, notes = entry["workers"], {"failures": entry["failures"], "stragglers": entry["stragglers"]}
+        if plan.aggregators > 1:
+            self.run_parts(r, sent)
+        # With parts written, this only assembles them.
+        record = aggregate_round(plan, r, sent, self.cfg.merge.device, self.cfg.merge.block_mb, notes, began)
+        ended = time.perf_counter()
+        self.evaluator.save(record)
+        if record["failures"]:
+            self.log.warning(f"DiLoCo {plan.variant} round {r}: left out workers {record['failures']}")
+        if record["stragglers"]:
+            self.log.info(f"DiLoCo {plan.variant} round {r}: stragglers {record['stragglers']} left out")
+        self.evaluator.wait_before(r)  # global r - 1 is about to go
+        retire(plan, r)
+        self.evaluator.submit(r)
+        # Back for the next round, from their last checkpoint: the workers that failed now (after a
+        # re-run, those the record names were started with the others already).
+        for k in [k for k in workers.failures if k not in workers.running and k not in sent]:
+            workers.start(k)
+        self.log.info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
+        return ended
+
+    def wait(self, r: int) -> tuple[list[int], dict]:
+        """The workers round r aggregates, once their payloads are in, and the notes on the others."""
         plan, workers = self.plan, self.workers
         sent = workers.wait_round(r)
         dropped = {k: workers.failures[k] for k in workers.failures if k not in sent}
@@ -255,26 +290,10 @@ class _Loop:
         notes = {
             "failures": {str(k): why for k, why in dropped.items()},
             # Still training round r: their payload will find the round closed and be dropped, and
-            # they join the newest global with their own inner state (OpenDiLoCo's rule).
+            # they join the next global with their own inner state (OpenDiLoCo's rule).
             "stragglers": [k for k in range(plan.size) if k not in sent and k not in dropped],
         }
-        if plan.aggregators > 1:
-            self.run_parts(r, sent)
-        # With parts written, this only assembles them.
-        record = aggregate_round(plan, r, sent, self.cfg.merge.device, self.cfg.merge.block_mb, notes, began)
-        ended = time.perf_counter()
-        self.evaluator.save(record)
-        if dropped:
-            self.log.warning(f"DiLoCo {plan.variant} round {r}: left out workers {sorted(dropped)}: {dropped}")
-        if record["stragglers"]:
-            self.log.info(f"DiLoCo {plan.variant} round {r}: stragglers {record['stragglers']} left out")
-        self.evaluator.wait_before(r)  # global r - 1 is about to go
-        retire(plan, r)
-        self.evaluator.submit(r)
-        for k in dropped:  # back for the next round, from their last checkpoint
-            workers.start(k)
-        self.log.info(f"DiLoCo {plan.variant}: round {r + 1}/{plan.rounds} done")
-        return ended
+        return sent, notes
 
     def arrive(self, v: int, began: float) -> float | None:
         """Async: arrival v once a payload is in (the recorded one when replaying): apply it, record
@@ -307,10 +326,11 @@ class _Loop:
 
 
 def replayed(path: str, plan: DilocoPlan) -> list[Arrival]:
-    """An earlier run's arrivals, to replay (``diloco.replay``): they must name this run's workers."""
+    """An earlier run's arrivals, to replay (``diloco.replay``): they must name this run's workers.
+    Their digests name that run's payloads, not the ones trained again here: left out."""
     source = Path(path)
     try:
-        items = [Arrival.model_validate(a) for a in json.loads(source.read_text())]
+        items = [Arrival.model_validate(a).model_copy(update={"digest": None}) for a in json.loads(source.read_text())]
     except (OSError, ValueError) as err:
         raise ValueError(f"diloco.replay: {source}: not an arrivals.json of a DiLoCo async run ({err})") from err
     if any(a.worker >= plan.size for a in items):

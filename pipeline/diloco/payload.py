@@ -89,6 +89,8 @@ class AdapterPayload:
     def __init__(self, folder: str | Path, theta: CheckpointReader):
         self.path, self.theta = Path(folder), theta
         self.adapter = AdapterReader(folder, base=theta)
+        if self.adapter.unties:  # its lm_head would be a tensor the global does not have
+            raise MergeInputError(f"{self.path}: saves lm_head or the embedding whole, untying θ's tied lm_head")
         self.stored = CheckpointReader(self.path / ADAPTER_WEIGHTS).info
         self.trained = [n for n in theta.info if self.adapter.touches(n)]
         self.whole = [n for n in self.trained if not self.adapter.is_delta(n)]
@@ -101,18 +103,12 @@ class AdapterPayload:
         # Out of place: safetensors' rows share the file's memory map with every later read.
         return lambda start, stop: theta(start, stop).float() - rows(start, stop).float()
 
-    def keys(self, name: str) -> tuple[str, ...]:
-        """The adapter's stored tensors of θ's tensor ``name``."""
-        if name in self.adapter.factors:
-            return self.adapter.factors[name]
-        return (self.adapter.whole[name],) if name in self.adapter.whole else ()
-
     @property
     def sent(self) -> int:
         return sum(i.nbytes for i in self.stored.values())
 
     def read(self, names: set[str]) -> int:
-        stored = sum(self.stored[k].nbytes for n in names for k in self.keys(n))
+        stored = sum(self.stored[k].nbytes for n in names for k in self.adapter.keys(n))
         return stored + sum(self.theta.info[n].nbytes for n in self.whole if n in names)
 
     @property

@@ -63,7 +63,7 @@ class DilocoPlan(BaseModel):
         number of aggregators: a run may resume in another of these modes; async globals are
         arrivals, not rounds, so async is in it)."""
         exclude = {"variant", "folder", "init", "workers", "sync", "quorum", "round_timeout_s", "slow_workers"}
-        exclude |= {"aggregators", "dynamic_steps"}  # aggregators: exact, the same weights whatever S
+        exclude |= {"aggregators", "dynamic_steps"}  # aggregators: the same weights, bit for bit, whatever S
         inputs = {
             **self.model_dump(mode="json", exclude=exclude),
             "workers": [w.digest() for w in self.workers],
@@ -112,6 +112,8 @@ def shards(cfg: RunConfig, run_dir: str | Path) -> list[tuple[list[str], tuple[i
 
 def diloco_plan(cfg: RunConfig, run_dir: str | Path, method: DilocoMethod) -> DilocoPlan:
     d, variant = cfg.diloco, variant_name(cfg, method)
+    # The weighting's default, settled here so that plan.json and the digest name the one used.
+    method = method.model_copy(update={"weighting": method.weighting or ("equal" if d.sync == "async" else "tokens")})
     folder, init = diloco_dir(run_dir, variant), init_path(cfg, run_dir)
     parts = shards(cfg, run_dir)
     rounds = d.rounds or max(1, round(joint_spec(cfg, run_dir).train.steps / (len(parts) * d.inner_steps)))

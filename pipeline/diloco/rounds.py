@@ -7,11 +7,17 @@
     diloco/<variant>/deltas/<r>/<k>/          worker k's compressed pseudo-gradient of round r, or
                                               its LoRA adapter (``pipeline.diloco.payload``)
     diloco/<variant>/workers/<k>/             worker k's inner state, metrics and log
+    diloco/<variant>/members.json             each round's workers and their payloads' digests,
+                                              decided once, before any part of the round is written
     diloco/<variant>/rounds.json              every round's record
 
 Round 0 starts from θ0 itself. Every folder is written under a temporary name and renamed
-(``staged_dir``), so a global or a delta that exists is whole: a re-run resumes after the last
-global that exists, with the outer state saved beside it.
+(``staged_dir``), so a global, a part or a delta that exists is whole: a re-run resumes after the
+last global that exists, with the outer state saved beside it. A round's members are recorded
+before its parts and a part names the members, payloads and split it was made of: a re-run
+aggregates the recorded members (not the payloads published since: a straggler's, a restarted
+worker's) and reuses a part only if it was made of exactly those, so a round killed at any point
+ends as it would have.
 
 Aggregation streams tensor by tensor: per trained tensor it holds θ's, the momentum buffer's,
 the output and the merge's working set (one worker's Δ at a time for the averages and Iso-C, a
@@ -20,6 +26,7 @@ budgeted row block for the element-wise methods), never the R pseudo-gradients w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 
 from pipeline.checkpoint import (
+    MANIFEST,
     is_complete,
     read_manifest,
     staged_dir,
@@ -58,6 +66,7 @@ from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
+MEMBERS = "members.json"  # each round's workers, decided once
 PART = "part.json"  # a part's record, beside its tensors
 MAX_SHARD = 5 << 30
 POLL_S = 0.02  # how often the aggregator looks for payloads and a worker for the next global weights
@@ -116,6 +125,83 @@ def save_record(plan: DilocoPlan, record: dict[str, Any]) -> None:
     write_json_atomic(Path(plan.folder) / RECORDS, sorted([*kept, record], key=lambda r: r["round"]))
 
 
+def payload_digest(folder: Path) -> str:
+    """What names a payload: the sha256 of its manifest's file hashes (the files are checked
+    against those by ``verify_checkpoint``; the manifest's timings are left out)."""
+    files = read_manifest(folder)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def digests(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, str]:
+    return {str(k): payload_digest(delta_dir(plan, r, k)) for k in workers}
+
+
+def members(plan: DilocoPlan) -> list[dict[str, Any]]:
+    path = Path(plan.folder) / MEMBERS
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def members_of(plan: DilocoPlan, r: int) -> dict[str, Any] | None:
+    return next((m for m in members(plan) if m["round"] == r), None)
+
+
+def decide_round(plan: DilocoPlan, r: int, wait: Callable[[], tuple[list[int], dict[str, Any]]]) -> dict[str, Any]:
+    """Round r's members: the workers it aggregates, their payloads' digests and the notes on the
+    others (``failures``, ``stragglers``). Recorded in ``members.json`` the first time, as ``wait``
+    decides them (the workers, the notes), before any part of the round is written; a re-run
+    after a kill takes the record, whatever was published since (a straggler's payload, a
+    restarted worker's), so the round aggregates what the killed run's would have."""
+    entry = members_of(plan, r)
+    if entry is not None:
+        check_members(plan, entry)
+        return entry
+    workers, notes = wait()
+    entry = {"round": r, "workers": workers, "digests": digests(plan, r, workers)}
+    entry |= notes
+    # Written by the loop's thread alone: no lock. Kept for the run's life (a round's entry is small).
+    write_json_atomic(Path(plan.folder) / MEMBERS, sorted([*members(plan), entry], key=lambda m: m["round"]))
+    return entry
+
+
+def check_members(plan: DilocoPlan, entry: dict[str, Any]) -> None:
+    """Refuse to aggregate a round whose recorded payloads are gone or changed: its parts, its
+    record and the re-run's weights would no longer be the ones the round was decided on."""
+    r, path = entry["round"], Path(plan.folder) / MEMBERS
+    for k in entry["workers"]:
+        folder = delta_dir(plan, r, k)
+        found = payload_digest(folder) if (folder / MANIFEST).is_file() else None
+        if found != entry["digests"][str(k)]:
+            raise RuntimeError(
+                f"DiLoCo {plan.variant} round {r}: {path} records worker {k}'s payload "
+                f"{entry['digests'][str(k)][:12]}, and {folder} {'is missing' if found is None else 'holds another'}; "
+                f"put it back, or remove round {r}'s entry from {path.name} to decide the round again"
+            )
+
+
+def round_inputs(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, Any]:
+    """The workers round r aggregates and their payloads' digests. With the round's members
+    recorded (``decide_round``), ``workers`` must be them: a part task started with another set
+    (by a run whose record was removed since) is refused rather than mixed in; without a record
+    (the library called directly), the payloads of ``workers`` as they are."""
+    entry = members_of(plan, r)
+    if entry is None:
+        return {"workers": workers, "digests": digests(plan, r, workers)}
+    if entry["workers"] != workers:
+        raise RuntimeError(
+            f"DiLoCo {plan.variant} round {r}: asked to aggregate workers {workers}, but the round's members "
+            f"({Path(plan.folder) / MEMBERS}) are {entry['workers']}"
+        )
+    check_members(plan, entry)
+    return {"workers": workers, "digests": entry["digests"]}
+
+
+def closed_to(plan: DilocoPlan, r: int, k: int) -> bool:
+    """Whether round r has gone on without worker k: its global exists, or its members are
+    decided without k (a payload of k's would be dropped)."""
+    entry = members_of(plan, r)
+    return rounds_done(plan) > r or (entry is not None and k not in entry["workers"])
+
+
 def aggregate_round(
     plan: DilocoPlan,
     r: int,
@@ -131,8 +217,9 @@ def aggregate_round(
     time (the record is whole in the global's folder, so a re-run after a kill between writing
     the global and recording it records the same). With
     ``plan.aggregators`` = S > 1 the tensors are split into S parts by bytes, each aggregated on
-    its own (``aggregate_part``: every tensor's merge and outer step are per tensor, so the split
-    is exact), then assembled; a part already written (before a kill) is not redone."""
+    its own (``aggregate_part``: every tensor's merge and outer step are per tensor and depend on
+    nothing else, so the split changes no bit of the result), then assembled; a part already
+    written of the same workers, payloads and split (before a kill) is not redone."""
     for s in range(plan.aggregators):
         aggregate_part(plan, r, workers, s, device, block_mb)
     return assemble_round(plan, r, workers, notes, began)
@@ -164,16 +251,24 @@ def aggregate_part(
     plan: DilocoPlan, r: int, workers: list[int], s: int, device: str = "cpu", block_mb: int = 1024
 ) -> dict[str, Any]:
     """Part s of round r: its trained tensors of every payload merged, stepped and written (with
-    the frozen tensors, in part 0) to ``parts_dir/<s>``; returns the part's record: its share of
-    the drift's Gram matrix, its seconds and the bytes it read."""
-    folder = parts_dir(plan, r) / str(s)
-    if is_complete(folder):
-        return json.loads((folder / PART).read_text())
+    the frozen tensors, in part 0) to ``parts_dir/<s>``; returns the part's record: the workers,
+    payload digests, number of parts and tensors it was made of, its share of the drift's Gram
+    matrix, its seconds and the bytes it read. A part already there is reused only if it was made
+    of exactly these (a kill may leave one of another worker set, or of another S); else it is
+    made again and replaces it."""
     start = time.perf_counter()
+    made_of = round_inputs(plan, r, workers)
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
     step = _RoundStep(plan, r, workers, device, block_mb, worker_weights(plan, metas))
     theta, stem = step.theta, "model" if plan.aggregators == 1 else f"model-part{s:03d}"
-    mine = set(tensor_parts(theta.info, step.trained, plan.aggregators)[s])
+    names = tensor_parts(theta.info, step.trained, plan.aggregators)[s]
+    made_of |= {"aggregators": plan.aggregators, "tensors": names}
+    folder = parts_dir(plan, r) / str(s)
+    if is_complete(folder):
+        found = json.loads((folder / PART).read_text())
+        if all(found.get(key) == value for key, value in made_of.items()):
+            return found
+    mine = set(names)
     kept = {n: i for n, i in theta.info.items() if n in mine or (s == 0 and n not in step.trained)}
     out_plan = {n: TensorInfo(i.shape, torch.float32 if n in mine else i.dtype) for n, i in kept.items()}
     momentum = {n: TensorInfo(i.shape, torch.float32) for n, i in out_plan.items() if n in mine}
@@ -184,6 +279,7 @@ def aggregate_part(
         theta_bytes = sum(theta.info[n].nbytes for n in mine)
         record = {
             "part": s,
+            **made_of,
             "gram": step.meter.gram.tolist(),
             "weight_maps": maps,
             "sizes": {"": sum(i.nbytes for i in out_plan.values()), OUTER: sum(i.nbytes for i in momentum.values())},
@@ -227,9 +323,19 @@ def assemble_round(
     """``global/<r+1>`` from round r's parts (their files linked, one index over them), with the
     round's record (the drift's Gram matrix summed over the parts, ``notes``, the wall time since
     ``began``) written in it last."""
+    made_of = round_inputs(plan, r, workers) | {"aggregators": plan.aggregators}
     folders = [parts_dir(plan, r) / str(s) for s in range(plan.aggregators)]
     manifests = [verify_checkpoint(folder) for folder in folders]
     parts = [json.loads((folder / PART).read_text()) for folder in folders]
+    for folder, part in zip(folders, parts):
+        # aggregate_part has just made or checked every part: another one here was written since,
+        # by a part task of an earlier run still at work. Its tensors must not be mixed in.
+        if any(part.get(key) != value for key, value in made_of.items()):
+            raise RuntimeError(
+                f"DiLoCo {plan.variant} round {r}: {folder} was made of workers {part.get('workers')} in "
+                f"{part.get('aggregators')} parts, not of this round's {workers} in {plan.aggregators}; "
+                "it was replaced while the round was assembled: run again (the part is made again)"
+            )
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
     theta = CheckpointReader(global_dir(plan, r))
     deltas = [open_payload(delta_dir(plan, r, k), theta) for k in workers]
@@ -248,7 +354,7 @@ def assemble_round(
             if len(set(weight_map.values())) > 1:  # several files: the index transformers reads
                 write_index(tmp / sub, weight_map, sum(part["sizes"].get(sub, 0) for part in parts))
         copy_aux_files(theta.aux_files(), tmp)
-        record = _record(plan, r, workers, metas, theta, deltas, parts) | (notes or {})
+        record = _record(plan, r, made_of, metas, theta, deltas, parts) | (notes or {})
         if began is not None:
             record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
         write_json_atomic(tmp / "round.json", record)
@@ -313,7 +419,7 @@ def outer_of(method: DilocoMethod) -> OuterSGD:
 def _record(
     plan: DilocoPlan,
     r: int,
-    workers: list[int],
+    made_of: dict[str, Any],
     metas: list[dict[str, Any]],
     theta: CheckpointReader,
     deltas: list[Payload],
@@ -324,7 +430,9 @@ def _record(
     tensors of the new global in fp32 (dense, LoRA or not); each aggregator (part) reads its share
     of every payload twice, θ's and the momentum's; data-parallel training of the same tokens
     would all-reduce the fp32 gradients of what trains (the adapters, for LoRA workers) every
-    inner step: with a ring, 2 (R − 1) / R of them sent by each worker (and as many received)."""
+    inner step: with a ring, 2 (R − 1) / R of them sent by each worker (and as many received).
+    ``made_of``: the workers and their payloads' digests."""
+    workers = made_of["workers"]
     fp32 = sum(4 * math.prod(theta.info[n].shape) for n in deltas[0].trained)
     meter = DriftMeter(len(workers))
     meter.gram = sum(torch.tensor(part["gram"], dtype=torch.float64) for part in parts)
@@ -332,6 +440,7 @@ def _record(
     return {
         "round": r,
         "workers": workers,
+        "digests": made_of["digests"],
         "dropped": [k for k in range(plan.size) if k not in workers],
         "weights": [round(w, 6) for w in worker_weights(plan, metas).tolist()],
         "tokens": [m["tokens"] for m in metas],
@@ -393,8 +502,10 @@ def recover(plan: DilocoPlan, r: int) -> None:
 
 
 def retire(plan: DilocoPlan, r: int) -> None:
-    """After global r + 1 is written: round r's deltas and global r − 1 are no longer needed (a
-    late worker may still read global r)."""
+    """After global r + 1 is written: round r's deltas, its parts (assembly removes them, unless
+    killed just before) and global r − 1 are no longer needed (a late worker may still read
+    global r)."""
     shutil.rmtree(Path(plan.folder) / DELTAS / str(r), ignore_errors=True)
+    shutil.rmtree(parts_dir(plan, r), ignore_errors=True)
     if r >= 2:  # global 0 is θ0 itself
         shutil.rmtree(global_dir(plan, r - 1), ignore_errors=True)

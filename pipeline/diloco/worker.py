@@ -3,7 +3,8 @@
 The worker lives for the whole run, so a round costs no process start, no engine build and no
 reload of θ0 (at toy scale those take longer than 50 inner steps). Each round:
 
-1. wait for ``global/<r>`` (the newest: a worker left out of rounds joins the latest one);
+1. wait for ``global/<r>`` (the newest: a worker left out of rounds joins the latest one; not
+   one of a round decided without it, ``members.json``);
 2. set its weights (and fp32 master copy) to it, keeping its own AdamW moments, data position
    and lr schedule, as in DiLoCo;
 3. train H steps;
@@ -12,8 +13,8 @@ reload of θ0 (at toy scale those take longer than 50 inner steps). Each round:
    ``deltas/<r>/<k>``.
 
 A worker killed at any point restarts from its last checkpoint: a payload saved but not
-published is published; a round not saved is trained again from the same global, with the same
-batches, to the same result.
+published is published (unless its round went on without it); a round not saved is trained
+again from the same global, with the same batches, to the same result.
 
 A LoRA worker (``train.finetuning_type: lora``) sets the base weights in step 2 and trains a fresh
 adapter each round, whose factors are its payload (:mod:`pipeline.diloco.lora`).
@@ -38,7 +39,17 @@ from pipeline.diloco.asynchronous import start_payload
 from pipeline.diloco.compress import compress_with_feedback, payload_infos
 from pipeline.diloco.lora import LoraWeights, round_seed, save_adapter
 from pipeline.diloco.plan import DilocoPlan
-from pipeline.diloco.rounds import MAX_SHARD, POLL_S, Clock, aborted, delta_dir, global_dir, rounds_done, send
+from pipeline.diloco.rounds import (
+    MAX_SHARD,
+    POLL_S,
+    Clock,
+    aborted,
+    closed_to,
+    delta_dir,
+    global_dir,
+    rounds_done,
+    send,
+)
 from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
 from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo
 from pipeline.train.curves import plot_loss
@@ -76,6 +87,16 @@ def wait_for_global(plan: DilocoPlan, r: int, timeout_s: float) -> int:
     return done
 
 
+def next_open_round(plan: DilocoPlan, k: int, n: int, timeout_s: float) -> int:
+    """The newest round ≥ n whose global exists and whose members were not decided without worker
+    k (a worker restarted after a kill joins the round the killed run would have restarted it for,
+    not one it was left out of)."""
+    r = wait_for_global(plan, n, timeout_s)
+    while r < plan.rounds and closed_to(plan, r, k):
+        r = wait_for_global(plan, r + 1, timeout_s)
+    return r
+
+
 def agreed(value_of, rank: int):
     """``value_of()`` as rank 0 finds it, on every rank of the worker (they must act alike)."""
     value = [value_of() if rank == 0 else None]
@@ -86,12 +107,13 @@ def agreed(value_of, rank: int):
 
 def begin_round(job: WorkerJob, n: int, speed: float | None, rank: int) -> tuple[int, int, int]:
     """(round, base global, inner steps) of this worker's next payload, the same on every rank.
-    Synchronous: the next round whose global exists (the newest: a worker left out of rounds
-    joins the latest), trained from that global for H steps. Async: its n-th payload, from the
-    global and for the steps ``start_payload`` gives, once that global exists."""
+    Synchronous: the next round whose global exists and that was not decided without this worker
+    (the newest: a worker left out of rounds joins the latest), trained from that global for H
+    steps. Async: its n-th payload, from the global and for the steps ``start_payload`` gives,
+    once that global exists."""
     plan, timeout_s = job.plan, job.spec.train.timeout_s
     if plan.sync != "async":
-        r = agreed(lambda: wait_for_global(plan, n, timeout_s), rank)
+        r = agreed(lambda: next_open_round(plan, job.index, n, timeout_s), rank)
         return r, r, plan.inner_steps
     base, steps = agreed(lambda: start_payload(plan, job.index, n, speed), rank)
     agreed(lambda: wait_for_global(plan, base, timeout_s), rank)  # a replayed base may be still to come
@@ -172,7 +194,7 @@ def publish(job: WorkerJob, saved: Path | None, r: int, save_s: float = 0.0) -> 
     """Publish the payload saved in checkpoint ``saved`` as round r's, unless it already is or the
     round is over (the aggregator went on without this worker; in async no round closes)."""
     source = saved / "diloco" / PAYLOAD if saved is not None else None
-    if source is None or not source.is_dir() or (job.plan.sync != "async" and rounds_done(job.plan) > r):
+    if source is None or not source.is_dir() or (job.plan.sync != "async" and closed_to(job.plan, r, job.index)):
         return
     if not is_complete(delta_dir(job.plan, r, job.index)):
         send(source, job.plan, r, job.index, save_s=save_s)
@@ -224,9 +246,9 @@ def main(job_path: str) -> None:
                 "seconds": {k: round(v, 4) for k, v in seconds.items()},
             }
             pending = branch.checkpointer.folder / f".round{r}"
-            if plan.sync != "async" and agreed(lambda r=r: rounds_done(plan) > r, rank):
-                # A straggler: the round was aggregated without it (quorum mode) and its global may
-                # be gone; its Δ is dropped, its residual kept, and it joins the newest global.
+            if plan.sync != "async" and agreed(lambda r=r: closed_to(plan, r, job.index), rank):
+                # A straggler: the round went on without it (quorum mode) and its global may be
+                # gone; its Δ is dropped, its residual kept, and it joins the next open global.
                 keep_residual(residual, pending, rank)
             elif lora is not None:
                 write_adapter_payload(job, r, base, lora, peft, pending, rank, **meta)

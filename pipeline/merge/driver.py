@@ -6,27 +6,37 @@ hold K rows of a block whose fp32 size stays under ``block_bytes`` (``pipeline.m
 Peak memory therefore does not grow with K beyond what the inputs' readers keep. Compute is in
 fp32 on ``device``; models may be stored in different float dtypes (bf16 branches over an fp32
 θ0): the output takes the models' dtype (the wider one if they differ) unless ``out_dtype``.
+
+Tied embeddings: a θ0 whose lm_head is its embedding stays tied in the merge (lm_head written once, as the
+embedding) unless an input has an lm_head of its own: an adapter that unties it (``modules_to_save`` without
+``ensure_weight_tying``, which PEFT's merge_and_unload unties) or a checkpoint saved untied. Then the output is
+untied, as PEFT's merged model of that input is: its lm_head is the merge of the inputs' lm_heads, where an input
+still tied (θ0 too) contributes its embedding, changes included, which is exactly its lm_head; its config says
+``tie_word_embeddings: false``. Keeping it tied instead would drop that input's lm_head, or merge it into the
+embedding it was not trained as.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
-from pipeline.merge.adapter import AdapterReader
+from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, checkpoint_name, embeddings_tied, untied_config
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
 from pipeline.merge.io import CheckpointReader, MergeInputError, TensorInfo, copy_aux_files, stream_checkpoint
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
 
-TIED = ("lm_head.weight", "model.embed_tokens.weight")
+TIED = (LM_HEAD, "model.embed_tokens.weight")
 
 
 @dataclass
@@ -172,6 +182,8 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
             progress="merge" if progress else None,
         )
         copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config: their dtype
+        if run.untied:
+            _untie(tmp)
         report.tensors, report.bytes_written = len(run.plan), written.bytes_written
         report.write_seconds = written.wait_seconds
         report.total_seconds = time.perf_counter() - start
@@ -205,33 +217,53 @@ class _CheckpointMerge:
         if self.fishers:
             _check_fishers(self.fishers, self.models[0].info)
         out_dtype = OUT_DTYPES.get(spec.out_dtype) if spec.out_dtype else None
-        tied = _tied(self.models[0])
+        base_tied = self.base is not None and embeddings_tied(self.base.config())
+        self.embedding = checkpoint_name(EMBEDDING, self.base.info) if base_tied else None
+        self.untied = self.embedding is not None and any(_own_lm_head(m) for m in self.models)
+        self.info = dict(self.models[0].info)  # the output's tensors
+        if self.untied:
+            self.info.setdefault(LM_HEAD, self.info[self.embedding])
+        tied = set() if self.untied else _tied(self.models[0])
         self.plan = {
             name: TensorInfo(
                 info.shape, (out_dtype or self._models_dtype(name)) if info.dtype.is_floating_point else info.dtype
             )
-            for name, info in self.models[0].info.items()
+            for name, info in self.info.items()
             if name not in tied
         }
         self.report = MergeReport(out_path=spec.out_path)
         self.workspace = Workspace()
 
     def _models_dtype(self, name: str) -> torch.dtype:
-        dtype = self.models[0].info[name].dtype
+        dtype = self._info(self.models[0], name).dtype
         for reader in self.models[1:]:
-            dtype = torch.promote_types(dtype, reader.info[name].dtype)
+            dtype = torch.promote_types(dtype, self._info(reader, name).dtype)
         return dtype
+
+    def source(self, reader: Any, name: str) -> str:
+        """The tensor of ``reader`` that makes the output's ``name``: in an untied merge, the lm_head of an
+        input still tied (θ0's too) is its embedding."""
+        if self.untied and name == LM_HEAD and not _own_lm_head(reader):
+            return self.embedding
+        return name
+
+    def _info(self, reader: Any, name: str) -> TensorInfo:
+        """Shape and dtype of the output's ``name`` in ``reader`` (an untying adapter's lm_head, which a θ0
+        stored tied does not have, is its embedding's)."""
+        source = self.source(reader, name)
+        return reader.info[source if source in reader.info else self.embedding]
 
     def merge(self, name: str) -> torch.Tensor:
         """θ's tensor ``name``. Where every input is an adapter that leaves it alone every τ_k is 0,
         and so is the merged τ of every method: θ0's tensor is copied (at 7B most of the bytes)."""
         method, params = choose(name, self.rules)
         start, read_before = time.perf_counter(), self.report.read_seconds
-        shape = self.models[0].info[name].shape
-        if not self.models[0].info[name].dtype.is_floating_point:
+        shape = self.info[name].shape
+        if not self.info[name].dtype.is_floating_point:
             merged = self.report.timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
-        elif not any(m.touches(name) for m in self.models):
-            merged, method = self.report.timed(self.base.reader(name))(0, rows_of(shape)[0]).reshape(shape), None
+        elif not any(m.touches(self.source(m, name)) for m in self.models):
+            theta0 = self.base.reader(self.source(self.base, name))
+            merged, method = self.report.timed(theta0)(0, rows_of(shape)[0]).reshape(shape), None
         else:
             merged = merge_tensor(method, params, self.inputs(name, method), self.weights, self.context(name))
         self.report.methods[name] = method.name if method else "base (no adapter changes it)"
@@ -243,16 +275,16 @@ class _CheckpointMerge:
         fishers = self._fishers_of(name) if method.needs_fisher else None
         return TensorInputs(
             name,
-            self.models[0].info[name].shape,
-            [timed(m.reader(name)) for m in self.models],
+            self.info[name].shape,
+            [timed(m.reader(self.source(m, name))) for m in self.models],
             self.labels,
-            base=timed(self.base.reader(name)) if self.base else None,
+            base=timed(self.base.reader(self.source(self.base, name))) if self.base else None,
             base_label=str(self.spec.base_model),
             device=self.spec.device,
             block_bytes=self.spec.block_mb << 20,
             workspace=self.workspace,
-            fishers=fishers and [timed(f.reader(name)) for f in fishers],
-            deltas=[m.is_delta(name) for m in self.models],
+            fishers=fishers and [timed(f.reader(self.source(f, name))) for f in fishers],
+            deltas=[m.is_delta(self.source(m, name)) for m in self.models],
         )
 
     def context(self, name: str) -> TensorContext:
@@ -260,18 +292,31 @@ class _CheckpointMerge:
 
     def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
         """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""
-        having = [f for f in self.fishers if name in f.info]
+        having = [f for f in self.fishers if self.source(f, name) in f.info]
         if having and len(having) < len(self.fishers):
-            lacking = next(f for f in self.fishers if name not in f.info)
+            lacking = next(f for f in self.fishers if f not in having)
             raise MergeInputError(f"{lacking.path}: no Fisher values for tensor {name}, which other Fisher files have")
         return having or None
 
 
 def _tied(reader: CheckpointReader) -> set[str]:
     """Names not to write: a tied ``lm_head.weight`` is the embedding matrix, merged once."""
-    config = reader.config()
-    tied = config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings")
-    return {TIED[0]} if tied and all(name in reader.info for name in TIED) else set()
+    return {TIED[0]} if embeddings_tied(reader.config()) and all(name in reader.info for name in TIED) else set()
+
+
+def _own_lm_head(reader: Any) -> bool:
+    """Whether an input's lm_head is a tensor of its own, not its embedding: an adapter that unties it, or a
+    checkpoint (or Fisher file) that stores lm_head and does not tie it."""
+    if isinstance(reader, AdapterReader):
+        return reader.unties
+    return LM_HEAD in reader.info and not embeddings_tied(reader.config())
+
+
+def _untie(folder: Path) -> None:
+    """The output's config.json with lm_head untied, as PEFT's merge_and_unload leaves a model it untied."""
+    path = folder / "config.json"
+    if path.is_file():
+        path.write_text(json.dumps(untied_config(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
 
 
 def _check_fishers(fishers: list[CheckpointReader], info: dict[str, TensorInfo]) -> None:

@@ -9,6 +9,10 @@ from typing import Any
 from pipeline.checkpoint import MANIFEST, checkpoint_id, read_manifest
 from pipeline.merge.adapter import ADAPTER_CONFIG, AdapterError, read_adapter_config
 
+# An adapter saved under transformers 4 names Qwen2-VL / Qwen2.5-VL's modules as the checkpoint does
+# (``model.layers…``, ``visual.…``); PEFT 0.21 does not map them to transformers 5's modules and merges nothing.
+KEY_MAPPING = {r"^model\.(?!language_model\.|visual\.)": "model.language_model.", r"^visual\.": "model.visual."}
+
 
 def is_adapter(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
@@ -28,8 +32,15 @@ def adapter_base(path: str | Path) -> str:
 
 
 def merge_adapter(model: Any, path: str | Path) -> Any:
-    """``model`` (the adapter's base, loaded) with the adapter merged into its weights."""
+    """``model`` (the adapter's base, loaded) with the adapter merged into its weights by PEFT (DoRA
+    included: the result is a whole model), keys saved in the transformers-4 layout mapped to its modules."""
     from peft import PeftModel
 
     read_adapter_config(path)
-    return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    mapping = KEY_MAPPING if _has_module(model, "model.language_model.") else None
+    return PeftModel.from_pretrained(model, str(path), key_mapping=mapping).merge_and_unload()
+
+
+def _has_module(model: Any, prefix: str) -> bool:
+    """Whether the model's modules are named in transformers 5's Qwen2-VL layout (``model.language_model.``)."""
+    return any(name.startswith(prefix) for name, _ in model.named_modules())

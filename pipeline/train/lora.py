@@ -1,10 +1,14 @@
 """LoRA branches through PEFT: the modules a branch adapts, the PEFT model over them, and the
 weights it saves.
 
-``train.lora_target: all`` adapts every linear layer whose weight would train in a full
-fine-tune, except ``lm_head``: the freeze options decide which parts (the vision blocks and the
-projector only when they are not frozen), as in LLaMA-Factory. The adapter's base is θ0, never
-changed: ΔW = (alpha / rank) · B A per adapted module, which is what the merge library combines.
+``train.lora_target: all`` resolves as LLaMA-Factory resolves it for Qwen2.5-VL
+(``find_all_linear_modules``, then ``patch_target_modules``): every linear layer of the parts that
+train (``model.freeze``: the vision blocks only when the vision tower trains), never ``lm_head``
+and never the projector (``visual.merger``), whatever its freeze says. Names adapt the trainable
+linear layers whose path ends with one of them (PEFT's rule; LLaMA-Factory's substring match picks
+the same modules for whole names such as ``q_proj`` or ``mlp.0``), ``lm_head`` included when named.
+The adapter's base is θ0, never changed: ΔW = (alpha / rank) · B A per adapted module, which is
+what the merge library combines.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from pipeline.config import TrainSection
+from pipeline.models.loading import parameter_groups
 
 
 def _matches(module: str, name: str) -> bool:
@@ -23,22 +28,39 @@ def _matches(module: str, name: str) -> bool:
     return module == name or module.endswith("." + name)
 
 
+def _projector(model: torch.nn.Module, linears: dict[str, torch.nn.Linear]) -> set[str]:
+    """The projector's linear layers: the parameters ``model.freeze`` calls the projector."""
+    projector = {id(p) for p in parameter_groups(model)["multi_modal_projector"]}
+    return {name for name, m in linears.items() if id(m.weight) in projector}
+
+
+def _check_head_not_tied(model: torch.nn.Module, chosen: list[str]) -> None:
+    # A head tied to the embeddings is one matrix: merging the head's ΔW (PEFT's merge_and_unload)
+    # would change the input embeddings too, which the adapter never trained as.
+    if "lm_head" in chosen and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        raise ValueError(
+            "train.lora_target lm_head: this model's head is its input embedding matrix (tie_word_embeddings); "
+            "leave lm_head out"
+        )
+
+
 def lora_targets(model: torch.nn.Module, t: TrainSection) -> list[str]:
     """The paths of the linear modules LoRA adapts (an error names targets that match nothing)."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    trainable = {name for name, m in linears.items() if m.weight.requires_grad and name != "lm_head"}
+    trainable = {name for name, m in linears.items() if m.weight.requires_grad}
     if t.lora_target == "all":
-        chosen = sorted(trainable)
+        chosen = sorted(trainable - {"lm_head"} - _projector(model, linears))
     else:
         unknown = [x for x in t.lora_target if not any(_matches(n, x) for n in linears)]
         if unknown:
             names = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise ValueError(f"train.lora_target {unknown} match no linear module; the model's linear modules: {names}")
         chosen = sorted(n for n in trainable if any(_matches(n, x) for x in t.lora_target))
+        _check_head_not_tied(model, chosen)
     if not chosen:
         raise ValueError(
-            f"train.finetuning_type lora: nothing to adapt, every module of lora_target {t.lora_target!r} is frozen "
-            "(model.freeze)"
+            f"train.finetuning_type lora: nothing to adapt, lora_target {t.lora_target!r} matches no linear layer "
+            "that trains (model.freeze; `all` never takes lm_head or the projector)"
         )
     return chosen
 
