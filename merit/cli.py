@@ -39,10 +39,18 @@ def is_user_error(err: BaseException) -> bool:
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
-    """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config."""
+    """CONFIG (or the run directory's saved config) plus overrides; saves the resolved config
+    when it is new or changed (a stage's command)."""
     from pipeline.layout import start_run
 
     return start_run(args.config, args.overrides, args.run_dir)
+
+
+def read_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    """The same, written nowhere: for the commands that only read a run (``check``, ``report``)."""
+    from pipeline.layout import run_config
+
+    return run_config(args.config, args.overrides, args.run_dir)
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -114,7 +122,7 @@ def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_check(args: argparse.Namespace) -> None:
     from pipeline.preflight import check_run
 
-    cfg, run_dir = resolve_run(args)
+    cfg, run_dir = read_run(args)
     for what, found in check_run(cfg, run_dir, diloco=args.flow == "diloco").items():
         print(f"{what:<10} ok: {found}")
 
@@ -133,7 +141,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     from pipeline.layout import REPORT
     from pipeline.report import build_report
 
-    _, run_dir = resolve_run(args)
+    _, run_dir = read_run(args)
     report = build_report(run_dir)
     headline = report.get("headline")
     if headline:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from pipeline.checkpoint import is_complete
-from pipeline.config import RunConfig, load_config, save_config
+from pipeline.config import ConfigError, RunConfig, load_config, save_config
 from pipeline.hub import ModelNotFoundError, resolve_model
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
@@ -25,14 +25,30 @@ REPORT = "report"
 BENCH = "bench"  # bench/<name>/: what a `merit bench` command trains or writes inside a run directory
 
 
-def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Path | None) -> tuple[RunConfig, Path]:
-    """CONFIG (or the run directory's saved one) plus overrides, saved as the run's ``config.yaml``
-    that every stage reads. The run directory defaults to ``runs/<run.name>``."""
-    if config is None and run_dir is not None and (Path(run_dir) / CONFIG).is_file():
+def run_config(config: str | Path | None, overrides: list[str], run_dir: str | Path | None) -> tuple[RunConfig, Path]:
+    """CONFIG (or the run directory's saved one, else the built-in defaults) plus overrides, and
+    the run directory (default ``runs/<run.name>``); writes nothing. With neither CONFIG nor a run
+    directory there is no run to read: an error naming what to pass (the built-in defaults would
+    name ``runs/demo`` and read or overwrite whatever run is there)."""
+    if config is None and run_dir is None:
+        present = sorted(str(p.parent) for p in Path("runs").glob(f"*/{CONFIG}"))
+        raise ConfigError(
+            "which run? pass CONFIG, or --run-dir DIR of a run"
+            + (f" (here: {', '.join(present)})" if present else " (none under runs/ here)")
+        )
+    if config is None and (Path(run_dir) / CONFIG).is_file():
         config = Path(run_dir) / CONFIG
     cfg = pin_revision(load_config(config, overrides))
-    run_dir = Path(run_dir or Path("runs") / cfg.run.name)
-    save_config(cfg, run_dir / CONFIG)
+    return cfg, Path(run_dir or Path("runs") / cfg.run.name)
+
+
+def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Path | None) -> tuple[RunConfig, Path]:
+    """``run_config``, saved as the run's ``config.yaml`` that every stage reads: written when it
+    is new or CONFIG or the overrides change it, never rewritten as it was."""
+    cfg, run_dir = run_config(config, overrides, run_dir)
+    path = run_dir / CONFIG
+    if not path.is_file() or load_config(path) != cfg:
+        save_config(cfg, path)
     return cfg, run_dir
 
 

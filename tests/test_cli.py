@@ -55,6 +55,32 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path, capsys, m
     assert next(line for line in again.stdout.splitlines() if line.startswith("total")) == total
 
 
+def test_commands_that_read_a_run_never_write_its_config(tmp_path, capsys, monkeypatch):
+    """`merit check` and `merit report` only read the run, whatever CONFIG or `--set` they are
+    given; a stage re-run from the run directory as it is leaves the config as it was; without
+    CONFIG or `--run-dir` every command refuses in one line, naming the runs there."""
+    monkeypatch.chdir(tmp_path)  # runs/ here holds one run
+    merit = partial(merit_in_process, capsys)
+    run_dir = tmp_path / "runs" / "mine"
+    assert merit("init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run_dir), *SMALL).returncode == 0
+    assert merit("prepare", "--run-dir", str(run_dir)).returncode == 0
+    config = run_dir / "config.yaml"
+    saved, stamp = config.read_text(), config.stat().st_mtime_ns
+    for command in ("check", "report"):
+        for extra in ([], ["--set", "train.lr=0.5"], [str(ROOT / "configs/demo.yaml")]):
+            merit(command, "--run-dir", str(run_dir), *extra)  # a run prepared, nothing trained
+            assert config.read_text() == saved and config.stat().st_mtime_ns == stamp, (command, extra)
+    assert merit("init", "--run-dir", str(run_dir)).returncode == 0  # the run as it is: not rewritten
+    assert config.stat().st_mtime_ns == stamp
+    for command in ("check", "report", "init", "prepare", "calibrate"):
+        refused = merit(command)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, (command, refused.stderr)
+        assert "pass CONFIG, or --run-dir DIR of a run (here: runs/mine)" in refused.stderr
+    assert not (tmp_path / "runs" / "demo").exists()
+    changed = merit("init", "--run-dir", str(run_dir), "--set", "train.lr=0.5")  # a change: saved
+    assert changed.returncode == 0 and yaml.safe_load(config.read_text())["train"]["lr"] == 0.5
+
+
 def test_bad_override_exits_2_naming_the_key(tmp_path):
     run = merit("prepare", "configs/demo.yaml", "--run-dir", str(tmp_path), "--set", "data.max_lenght=3")
     assert run.returncode == 2
