@@ -35,7 +35,7 @@ Modes, all from the same θ0 with the same shards, seeds and outer method:
   relative, so a late payload needs no old global. No round timeout (the flow's
   ``round_timeout_s``): a round closes at the Q-th payload. T rounds of the server.
 - ``async``: every payload is applied when it arrives (:class:`pipeline.diloco.aggregate.AsyncOuter`,
-  window R, weights by tokens: delayed Nesterov) and its worker gets the newest global at once;
+  window R, each arrival weighing 1 / R: delayed Nesterov) and its worker gets the newest global at once;
   dynamic local steps (DyLU, Liu et al. 2024, arXiv 2401.09135): a worker's next payload has
   H_k = max(1, round(H × speed_k / max_j speed_j)) steps, speed = steps / inner seconds of each
   worker's latest payload (H while a worker has none). Each worker sends T payloads; the run ends
@@ -486,7 +486,7 @@ def dylu_steps(inner_steps: int, speeds: dict[int, float], k: int) -> int:
 
 
 def run_async(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor]) -> ModeRun:
-    """Every payload applied as it arrives (AsyncOuter, window R, weights by tokens); DyLU steps."""
+    """Every payload applied as it arrives (AsyncOuter, window R, each weighing 1 / R); DyLU steps."""
     outer, _ = OUTER[setting.method]
     R, H, T = setting.workers, setting.inner_steps, setting.rounds
     theta = clone(theta0)
