@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup install demo test format clean
+.PHONY: setup install demo test format reference clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ test: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The configuration and merge spec references, written from the code (the site's build checks them).
+reference: $(STAMP)
+	$(BIN)/python docs/hooks.py
 
 clean:
 	rm -rf runs .pytest_cache

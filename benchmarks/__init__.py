@@ -1,6 +1,6 @@
 """The ``merit bench`` commands: each module measures one thing, declares its own options
 (``add_arguments``) and runs (``main``). Above the library and the flows (a benchmark may run a
-flow); nothing under ``pipeline/`` imports them. Dated results: ``benchmarks/results/``."""
+flow); nothing under ``pipeline/`` imports them. Dated results: ``docs/benchmarks/results/``."""
 
 BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module benchmarks.<name>
     "data": "encoding rate vs the tiny model's training rate",

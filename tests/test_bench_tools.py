@@ -1,6 +1,6 @@
 """The measuring commands at their smallest settings: each runs through `merit bench`, prints its
 table and leaves what it measured where it says (the merges, the trainer's metrics). Their
-figures are for benchmarks/results/; here only that they are figures of the real thing."""
+figures are for docs/benchmarks/results/; here only that they are figures of the real thing."""
 
 from __future__ import annotations
 

@@ -1,17 +1,21 @@
-"""The documentation: the configuration reference lists every key of RunConfig (it is generated
-from the code by docs/hooks.py at every build), and the site builds with ``mkdocs build --strict``
-(a dead link, an unknown anchor or a page missing from the navigation fails it)."""
+"""The documentation: the configuration reference lists every key of RunConfig (written from the
+code by docs/hooks.py, committed, and current), the site builds with ``mkdocs build --strict``
+(a dead link, an unknown anchor or a page missing from the navigation fails it), and every
+relative link resolves on the repository too."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import types
 import typing
+import unicodedata
 from pathlib import Path
 
+from markdown.extensions.toc import slugify
 from pydantic import BaseModel
 
 from pipeline.config import RunConfig
@@ -94,3 +98,40 @@ def test_contributing_places_every_test_module_in_a_tier():
     named = re.findall(r"`(test_\w+)`", "\n".join(row.split("|")[2] for row in table if row.count("|") >= 4))
     modules = sorted(p.stem for p in (ROOT / "tests").glob("test_*.py"))
     assert sorted(named) == modules
+
+
+def test_the_generated_reference_pages_are_committed_as_the_code_gives_them():
+    assert not hooks().stale_pages(), "run `make reference`"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped (letters of any
+    script kept), each space a hyphen."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading).lower()
+    return "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN").replace(" ", "-")
+
+
+def anchors(page: Path) -> tuple[set[str], set[str]]:
+    """The anchors of a page's headings as MkDocs (python-markdown's toc) and GitHub make them."""
+    headings = [line.lstrip("#").strip() for line in FENCE.sub("", page.read_text()).splitlines() if line[:1] == "#"]
+    return {slugify(re.sub(r"[`*]", "", h), "-") for h in headings}, {github_anchor(h) for h in headings}
+
+
+def test_every_relative_link_resolves_on_the_repository_as_in_the_site():
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")]
+    dead = []
+    for page in pages:
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto, data: not the repository's
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or ROOT not in file.parents:
+                dead.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and not all(anchor in found for found in anchors(file)):
+                dead.append(f"{page.relative_to(ROOT)}: {target} (no heading with that anchor on both)")
+    assert len(pages) > 40 and not dead, "\n".join(dead)
