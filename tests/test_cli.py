@@ -1,12 +1,14 @@
 """The `merit` command: its entry point as a real subprocess once, then its commands in-process
 (``merit.cli.main``, the same function, without paying the imports again)."""
 
+import json
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 
 import yaml
+from conftest import write_image, write_json
 
 from merit.cli import main
 
@@ -79,6 +81,62 @@ def test_commands_that_read_a_run_never_write_its_config(tmp_path, capsys, monke
     assert not (tmp_path / "runs" / "demo").exists()
     changed = merit("init", "--run-dir", str(run_dir), "--set", "train.lr=0.5")  # a change: saved
     assert changed.returncode == 0 and yaml.safe_load(config.read_text())["train"]["lr"] == 0.5
+
+
+def test_the_first_real_run_pages_own_data_prepares_as_written(tmp_path, capsys, monkeypatch):
+    """docs/first-real-run.md's bring-your-own-data block, its paths moved to small files of each
+    format it names: every source is read, none is skipped."""
+    page = (ROOT / "docs" / "first-real-run.md").read_text()
+    block = page.split("## Your own data", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    mine = tmp_path / "mine"
+    sources = yaml.safe_load(block.replace("/data/mine", str(mine)))["data"]["sources"]
+    images = mine / "images"
+    for i in range(4):
+        write_image(images / f"{i}.png", colour=(60 * i, 0, 0))
+    turns = [("<image>\nWhat colour is it?", "red"), ("<image>\nWhat is the total?", "12")]
+    for name, (prompt, answer) in zip(("charts", "receipts"), turns):
+        records = [
+            {
+                "image": f"{i}.png",
+                "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
+            }
+            for i in range(4)
+        ]
+        write_json(mine / f"{name}.json", records)
+    lines = [
+        {"conversations": [{"from": "human", "value": f"What is {i} + 1?"}, {"from": "gpt", "value": str(i + 1)}]}
+        for i in range(4)
+    ]
+    (mine / "arithmetic.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    captions = [
+        {
+            "messages": [
+                {"role": "user", "content": "<image>Describe it."},
+                {"role": "assistant", "content": "A square."},
+            ],
+            "images": [f"{i}.png"],
+        }
+        for i in range(4)
+    ]
+    write_json(mine / "captions.json", captions)
+
+    monkeypatch.chdir(ROOT)
+    merit = partial(merit_in_process, capsys)
+    settings = [f"data.sources={json.dumps(sources)}", "warmup.steps=0", "warmup.sources=[]", "eval.sources=[]"]
+    run_dir = str(tmp_path / "run")
+    assert (
+        merit(
+            "init", "configs/demo.yaml", "--run-dir", run_dir, *[a for s in settings for a in ("--set", s)]
+        ).returncode
+        == 0
+    )
+    prepared = merit("prepare", "--run-dir", run_dir)
+    assert prepared.returncode == 0, prepared.stderr
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"]
+    assert set(manifest) == {"charts", "receipts", "arithmetic", "captions"}
+    assert all(
+        info["examples"] == 4 and info["skipped"] == 0 and info["role"] == "finetune" for info in manifest.values()
+    )
 
 
 def test_bad_override_exits_2_naming_the_key(tmp_path):
