@@ -135,3 +135,15 @@ def test_every_relative_link_resolves_on_the_repository_as_in_the_site():
             elif anchor and file.suffix == ".md" and not all(anchor in found for found in anchors(file)):
                 dead.append(f"{page.relative_to(ROOT)}: {target} (no heading with that anchor on both)")
     assert len(pages) > 40 and not dead, "\n".join(dead)
+
+
+def test_the_citation_file_names_the_project_and_the_papers_the_readme_cites():
+    import yaml
+
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == "Apache-2.0"
+    assert cff["version"] == re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    cited = {ref["title"]: [i["value"] for i in ref.get("identifiers", [])] for ref in cff["references"]}
+    merit = "Decentralized Instruction Tuning: Conflict-Aware Splitting and Weight Merging"
+    assert merit in readme.replace("\n", " ") and cited[merit] == ["arXiv:2606.01717"] and "2606.01717" in readme
