@@ -101,6 +101,46 @@ def shipped(prefect_api, tmp_path_factory):
     return run_dir, snapshot, settings, killed
 
 
+def smoke_settings() -> list[str]:
+    """The `--set` settings of docs/first-real-run.md's smoke run command."""
+    page = (ROOT / "docs" / "first-real-run.md").read_text()
+    command = page.split("## A smoke run on one GPU", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return re.findall(r"--set (\S+)", command)
+
+
+def test_the_smoke_run_of_the_first_real_run_page_runs(prefect_api, tmp_path):
+    """docs/first-real-run.md's one-GPU smoke command, on a tiny model of the 3B's shape: the
+    paths, image sizes, device and benchmarks are the test's, every other setting the page's."""
+    smoke = smoke_settings()
+    assert "train.processes=1" in smoke and "eval.benchmark_limit=10" in smoke
+    snapshot = theta0_snapshot(tmp_path)
+    annotation, images = vision_flan_corpus(tmp_path / "vision-flan", TASKS, per_task=12)
+    local = [
+        f"data.sources.0.path={annotation}",
+        f"data.sources.0.images_dir={images}",
+        "model.min_pixels=3136",
+        "model.max_pixels=12544",
+        "merge.device=cpu",
+        "eval.benchmarks=[toy_perception]",
+        "data.builtin.benchmark_examples=8",
+    ]
+    run_dir = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HOME", str(tmp_path / "hf"))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        state = merit(config=str(CONFIG), overrides=[*smoke, *local], run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    assert {m["name"] for m in report["models"]} >= {"theta0", "branch-0", "branch-1", "merged-token_average"}
+    assert "joint" not in {m["name"] for m in report["models"]}
+    steps = [
+        json.loads((run_dir / "branches" / str(k) / "final" / "manifest.json").read_text())["step"] for k in (0, 1)
+    ]
+    assert steps == [10, 10] and str(snapshot).endswith(load_config(run_dir / "config.yaml").model.revision)
+    jobs = list((run_dir / "eval" / "benchmarks").glob("*/toy_perception/score.json"))
+    assert jobs and all(json.loads(j.read_text())["identity"]["limit"] == 10 for j in jobs)
+
+
 PAPER_DATA = {  # the paper's 8 benchmarks and the data each reads, as lmms-eval's tasks name it
     "seedbench": "lmms-lab-encoder/SEED-Bench",
     "mmbench_en_dev": "lmms-lab-encoder/MMBench",
