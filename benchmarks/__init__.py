@@ -12,4 +12,5 @@ BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module be
     "quality": "MERIT-K vs Random-K vs joint on the toy benchmarks: seeds, paired statistics, factors",
     "diloco": "DiLoCo, IsoLoCo, averaging vs data-parallel: tiny Qwen2 on the stdlib",
     "aggregators": "bytes and seconds of a DiLoCo round's busiest aggregator: R × S",
+    "experts": "a mixture-of-experts run: experts each branch trained, their overlap and agreement",
 }

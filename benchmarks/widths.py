@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import AutoModelForImageTextToText
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.config import RunConfig
@@ -70,7 +70,7 @@ def build_theta0(cfg: RunConfig, run_dir: str | Path, device: str = "cpu") -> di
     processor = build_tiny_processor(cfg.model, cfg.run.seed)
     start = time.perf_counter()
     with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(cfg.model.tiny, processor.tokenizer))
+        model = AutoModelForImageTextToText.from_config(tiny_config(cfg.model, processor.tokenizer))
     model.to(DTYPES[cfg.model.dtype])
     counts = count_parameters(model)
     save_pretrained_checkpoint(

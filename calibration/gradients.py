@@ -27,11 +27,17 @@ from pipeline.data import Collator, Encoded, Encoder, Example
 from pipeline.models.loss import supervised_nll
 
 
+def is_matrix(name: str, p: torch.Tensor) -> bool:
+    """A weight matrix, or a mixture of experts' fused tensor (``mlp.experts.gate_up_proj``: one
+    matrix per expert), not a norm, bias or convolution kernel."""
+    return p.dim() == 2 or (p.dim() == 3 and ".mlp.experts." in name)
+
+
 def select_parameters(model: torch.nn.Module, patterns: Sequence[str], matrices_only: bool = True) -> list[str]:
     names = [
         name
         for name, p in model.named_parameters()
-        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns) and (p.dim() == 2 or not matrices_only)
+        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns) and (is_matrix(name, p) or not matrices_only)
     ]
     if not names:
         raise CalibrationError(f"no parameter matches {list(patterns)} (matrices_only={matrices_only})")

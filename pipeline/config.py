@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.checkpoint import write_text_atomic
 from pipeline.merge.registry import get_method
@@ -49,7 +49,8 @@ class FreezeSection(Section):
 
 
 class TinyModelSection(Section):
-    """Shape of the offline Qwen2.5-VL built when ``model.name_or_path == "tiny"``."""
+    """Shape of the offline model built when ``model.name_or_path`` is ``tiny`` (Qwen2.5-VL) or
+    ``tiny:<model_type>`` (that family: ``pipeline.models.families``)."""
 
     vocab_size: int = Field(1024, ge=300)
     hidden_size: int = Field(64, ge=16)
@@ -63,6 +64,10 @@ class TinyModelSection(Section):
     vision_heads: int = Field(2, ge=1)
     vision_window: int = Field(56, ge=28)  # pixels; Qwen2.5-VL uses 112
     embedding_rows: int | None = Field(None, ge=300)  # default: the tokenizer's size (Qwen: 151,936)
+    # Mixture-of-experts families only (tiny:qwen3_vl_moe, tiny:qwen3_5_moe)
+    num_experts: int = Field(4, ge=2)
+    experts_per_token: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(32, ge=8)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelSection:
@@ -71,11 +76,14 @@ class TinyModelSection(Section):
             raise ValueError("hidden_size / num_heads must be a multiple of 8 (mrope sections)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("experts_per_token must be at most num_experts")
         return self
 
 
 class ModelSection(Section):
-    name_or_path: str = "tiny"  # "tiny", a Hugging Face id or a local checkpoint folder
+    # "tiny" (Qwen2.5-VL) or "tiny:<model_type>" (offline), a Hugging Face id or a local checkpoint folder
+    name_or_path: str = "tiny"
     revision: str | None = None  # of a Hugging Face id: a branch, tag or commit (default: main)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -84,6 +92,15 @@ class ModelSection(Section):
     max_pixels: int = Field(112 * 112, ge=28 * 28)
     freeze: FreezeSection = FreezeSection()
     tiny: TinyModelSection = TinyModelSection()
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _known_tiny_family(cls, name: str) -> str:
+        from pipeline.models.families import is_tiny_name, tiny_family  # models import this module
+
+        if is_tiny_name(name):
+            tiny_family(name)  # tiny:<model_type> of no family: refused here, naming those there are
+        return name
 
 
 SourceFormat = Literal["builtin", "llava", "sharegpt", "vision_flan", "jsonl", "hf_disk"]
@@ -153,7 +170,7 @@ class CalibrationSection(Section):
     n_per_source: int = Field(200, ge=1)
     batch_size: int = Field(16, ge=1)
     # Glob patterns over the model's parameter names (in memory); default: the language
-    # blocks' 2-D weights.
+    # blocks' weight matrices (a mixture of experts' fused expert tensors and routers included).
     params: list[str] = ["model.language_model.layers.*"]
     matrices_only: bool = True
     # projection: CountSketch, ~10x more accurate than stride at equal dim (docs: concepts/merit).

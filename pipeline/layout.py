@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.checkpoint import is_complete
 from pipeline.config import ConfigError, RunConfig, load_config, save_config
 from pipeline.hub import ModelNotFoundError, resolve_model
+from pipeline.models.families import is_tiny_name
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
 INIT = "init"  # the tiny offline model as built
@@ -67,7 +68,7 @@ def pin_revision(cfg: RunConfig) -> RunConfig:
 
 
 def is_tiny(cfg: RunConfig) -> bool:
-    return cfg.model.name_or_path == "tiny"
+    return is_tiny_name(cfg.model.name_or_path)
 
 
 def base_path(cfg: RunConfig, run_dir: str | Path) -> str:

@@ -40,13 +40,14 @@ def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict
 
 
 def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
+    from pipeline.models.families import family_of_config, tiny_family
+
     if is_tiny(cfg):
-        return "the tiny offline model, built by the init stage"
+        return f"the tiny offline {tiny_family(cfg.model.name_or_path).model_type}, built by the init stage"
     folder = Path(base_path(cfg, run_dir))  # a hub id not in the cache (offline) fails here, named
     config = json.loads((folder / "config.json").read_text())
-    if not any("VL" in a or "ImageTextToText" in a for a in config.get("architectures") or []):
-        raise ConfigError(f"{folder} holds {config.get('architectures')}, not an image-text-to-text model")
-    return str(folder)
+    family = family_of_config(config, str(folder / "config.json"))  # every stage reads the model through it
+    return f"{folder} ({family.model_type})"
 
 
 def _data(cfg: RunConfig, run_dir: str | Path) -> str:
@@ -127,7 +128,7 @@ def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
     if "lora" not in {cfg.train.finetuning_type, cfg.warmup.finetuning_type if cfg.warmup.steps else "full"}:
         return "full fine-tuning"
     if is_tiny(cfg):
-        config = tiny_config(cfg.model.tiny, None)
+        config = tiny_config(cfg.model, None)
     else:
         config = AutoConfig.from_pretrained(base_path(cfg, run_dir), trust_remote_code=cfg.model.trust_remote_code)
     with torch.device("meta"):

@@ -52,7 +52,7 @@ def frozen_tiny_model(freeze: FreezeSection, tied: bool = True) -> torch.nn.Modu
     if tied:
         model = build_tiny_model(ModelSection(), seed=0)[0]
     else:  # a head of its own, as in the 7B model
-        config = tiny_config(ModelSection().tiny, None)
+        config = tiny_config(ModelSection(), None)
         config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
         model = Qwen2_5_VLForConditionalGeneration(config)
     apply_freeze(model, freeze)

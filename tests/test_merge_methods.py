@@ -216,6 +216,26 @@ def np_iso_c(taus, w):
 SPECTRAL = {"iso_c": np_iso_c, "tsv": np_tsv, "iso_cts": np_iso_cts}
 
 
+def fp32_tolerance(method, taus, w, scale):
+    """Where the merge (fp32) may differ from the float64 reference. Iso-CTS keeps singular directions
+    down to the smallest of a task's residual (K = 1: its 5th of 24 is ≈ 0.01): an fp32 SVD moves a
+    kept direction by about ε ‖A‖ / σ (Davis–Kahan), and the output carries it at scale · mean(S).
+    Measured 1.4e-4 on one such case with torch's default kernels and MKL's SSE4.2 path."""
+    if method != "iso_cts" or taus.ndim != 3 or not taus.any():
+        return 1e-4
+    mean = np.tensordot(w, taus, 1)
+    s = np.linalg.svd(mean, compute_uv=False)
+    n_common = max(1, int(0.8 * len(s)))
+    u = np.linalg.svd(mean)[0][:, :n_common]
+    per_task = (len(s) - n_common) // len(taus)
+    kept = [s[n_common - 1]]
+    for wi, t in zip(w, taus):
+        if per_task:
+            kept.append(np.linalg.svd((np.eye(len(u)) - u @ u.T) @ (wi * t), compute_uv=False)[per_task - 1])
+    eps = np.finfo(np.float32).eps
+    return 1e-4 + scale * s.mean() * eps * np.linalg.norm(taus, 2, axis=(1, 2)).max() / min(kept)
+
+
 @pytest.mark.parametrize("method", sorted(SPECTRAL))
 @pytest.mark.parametrize("k, shape, zero", PARAMS)
 def test_spectral_methods(method, k, shape, zero):
@@ -223,7 +243,8 @@ def test_spectral_methods(method, k, shape, zero):
     base, models, weights = case(k, SHAPES[shape], zero=zero)
     b, taus, w = np_inputs(base, models, weights)
     expected = b + (1.5 * SPECTRAL[method](taus, w) if taus.ndim == 3 else np.tensordot(w, taus, 1))
-    np.testing.assert_allclose(merged(method, base, models, weights, scale=1.5), expected, atol=1e-4, rtol=1e-4)
+    atol = fp32_tolerance(method, taus, w, 1.5)
+    np.testing.assert_allclose(merged(method, base, models, weights, scale=1.5), expected, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "power_law"])

@@ -55,7 +55,7 @@ def theta0_snapshot(root: Path) -> Path:
     vision blocks with full attention every 8th) at tiny widths, saved in bf16 as downloaded."""
     cfg = load_config(None, ["model.tiny.vision_depth=8", "model.tiny.vision_window=112"])
     processor = build_tiny_processor(cfg.model, seed=0)
-    config = tiny_config(cfg.model.tiny, processor.tokenizer)
+    config = tiny_config(cfg.model, processor.tokenizer)
     config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config)

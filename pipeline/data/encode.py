@@ -38,7 +38,8 @@ class Encoded:
 
 
 class Encoder:
-    """Encodes :class:`Example` with a ``Qwen2_5_VLProcessor`` (picklable for DataLoader workers).
+    """Encodes :class:`Example` with a Qwen-VL processor (``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``;
+    picklable for DataLoader workers).
 
     Two paths give identical results. The full path renders the chat template and runs the
     processor (tokenizer + image processor). The cached path, for examples that carry the
@@ -55,6 +56,7 @@ class Encoder:
         self.vision_start, self.vision_end = ids("<|vision_start|>"), ids("<|vision_end|>")
         self.image_token = ids("<|image_pad|>")
         self.merge_area = processor.image_processor.merge_size**2
+        self.patch_size = processor.image_processor.patch_size  # 14 for Qwen2.5-VL, 16 for Qwen3-VL
         self.role = tok.encode("assistant", add_special_tokens=False)
         (self.newline,) = tok.encode("\n", add_special_tokens=False)
         self._starts_line: dict[int, bool] = {}
@@ -93,13 +95,17 @@ class Encoder:
             self.processor.apply_chat_template(m, tokenize=False, add_generation_prompt=generation_prompt)
             for m in messages
         ]
-        return texts, [process_vision_info(m)[0] or [] for m in messages]
+        return texts, [self.images(m) for m in messages]
+
+    def images(self, messages: list[dict[str, Any]]) -> list[Any]:
+        """The messages' images resized as the processor's patches want them."""
+        return process_vision_info(messages, image_patch_size=self.patch_size)[0] or []
 
     def _encode_cached(self, examples: list[Example]) -> list[Encoded]:
         rows = [ex.token_ids.long() for ex in examples]
         # Truncation drops whole images, so the images kept are the first <|vision_start|> many.
         kept = [int((ids == self.vision_start).sum()) for ids in rows]
-        images = [(process_vision_info(self._with_images(ex))[0] or [])[:k] for ex, k in zip(examples, kept)]
+        images = [self.images(self._with_images(ex))[:k] for ex, k in zip(examples, kept)]
         flat = list(itertools.chain(*images))
         vision = self.processor.image_processor(flat, return_tensors="pt") if flat else {}
         out = self._assemble(rows, kept, vision.get("pixel_values"), vision.get("image_grid_thw"))

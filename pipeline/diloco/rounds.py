@@ -58,12 +58,14 @@ from pipeline.merge.io import (
     INDEX,
     CheckpointReader,
     TensorInfo,
+    check_complete,
     copy_aux_files,
     stream_checkpoint,
     write_index,
 )
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
+from pipeline.models.families import family_of_checkpoint
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
 MEMBERS = "members.json"  # each round's workers, decided once
@@ -354,7 +356,9 @@ def assemble_round(
             if len(set(weight_map.values())) > 1:  # several files: the index transformers reads
                 write_index(tmp / sub, weight_map, sum(part["sizes"].get(sub, 0) for part in parts))
         copy_aux_files(theta.aux_files(), tmp)
+        what = f"DiLoCo {plan.variant} global {r + 1}"
         record = _record(plan, r, made_of, metas, theta, deltas, parts) | (notes or {})
+        record["tensors"] = check_complete(CheckpointReader(tmp).info, theta.info, what, str(theta.path))
         if began is not None:
             record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
         write_json_atomic(tmp / "round.json", record)
@@ -369,6 +373,7 @@ class _RoundStep:
 
     def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
         self.theta = CheckpointReader(global_dir(plan, r))
+        self.family = family_of_checkpoint(global_dir(plan, r))
         self.deltas = [open_payload(delta_dir(plan, r, k), self.theta) for k in workers]
         self.trained = self.deltas[0].trained
         self.outer, self.previous = outer_of(plan.method), outer_state(plan, r)
@@ -396,7 +401,8 @@ class _RoundStep:
             self.meter.add(list(inputs.block(i)))
         inputs.forget()
         self.seconds["drift"] += clock.lap()
-        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed))
+        experts = self.family is not None and self.family.is_stacked_experts(name)
+        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed, experts))
         self.seconds["merge"] += clock.lap()
         value = self.theta.get(name).to(self.device, torch.float32)
         previous = self.previous.get(name).to(self.device) if self.previous else None

@@ -43,6 +43,7 @@ from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_
 from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
 from pipeline.layout import EVAL
 from pipeline.models.adapter import adapter_base, is_adapter
+from pipeline.models.families import family_of_config
 from pipeline.tensorboard import log_benchmarks
 from pipeline.threads import SMALL_MODEL, available_cpus, threads_per_process
 
@@ -52,8 +53,6 @@ LOG = "lmms_eval.log"
 RESULTS_NAME = re.compile(r"\d{8}_\d{6}_results\.json")
 LOG_TAIL = 15  # lines of a failed job's log kept in its score.json
 EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b")  # a traceback's last line
-LMMS_MODEL = "qwen2_5_vl"
-ADAPTED_MODEL = "merit_qwen2_5_vl"  # the same over θ0 + a LoRA adapter (pipeline.eval.lmms_plugin)
 CONSTANT = "constant"  # the run's constant-answer baseline, benchmarked on the toy tasks like a model
 JUDGED_TOY = "toy_chat"  # the built-in suite's judged task: left out of a run without a judge
 LMMS_RUN = "pipeline.eval.lmms_run"
@@ -61,6 +60,13 @@ LMMS_RUN = "pipeline.eval.lmms_run"
 # classes, ours over an adapter, and nltk, which lmms-eval imports for every task's standard error:
 # a second a job): imported once by a prestart server on a CPU machine (pipeline.prestart).
 LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "pipeline.eval.lmms_adapted", "nltk"]
+
+
+def lmms_model(checkpoint: str, adapter: bool) -> str:
+    """lmms-eval's model for a checkpoint, as its family declares it (``pipeline.models.families``)."""
+    base = adapter_base(checkpoint) if adapter else checkpoint
+    family = family_of_config(json.loads((Path(base) / "config.json").read_text()), str(base))
+    return family.lmms_adapted if adapter else family.lmms_model
 
 
 def benchmark_tasks(cfg: RunConfig) -> list[str]:
@@ -199,9 +205,12 @@ def model_args(cfg: RunConfig, checkpoint: str, device: str) -> tuple[str, dict[
         "device_map": device,
         "attn_implementation": m.attn_implementation,
     }
+    model = lmms_model(checkpoint, adapter is not None)
+    if model == "merit_qwen3_vl":
+        args["dtype"] = m.dtype
     if any("," in str(v) or "=" in str(v) for v in args.values()):
         raise ValueError(f"lmms-eval's model_args cannot hold ',' or '=': {args}")
-    return ADAPTED_MODEL if adapter else LMMS_MODEL, args
+    return model, args
 
 
 def identity(cfg: RunConfig, model: str, args: dict[str, Any], checkpoint: str, plan: TaskPlan) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The merge library: one function per method over one tensor, rules choosing a method per
 tensor, and a streaming driver over safetensors checkpoints. Stands alone: no import of the
 data, model or training code; it needs torch, safetensors, numpy, pydantic, PyYAML and tqdm, and
-three small modules of this package (checkpoint, threads, lazy). Exports import their submodule
+four small modules of this package (checkpoint, threads, lazy, and the model families' declarations,
+``pipeline.models.families``: names, no model code). Exports import their submodule
 on first use."""
 
 from pipeline.lazy import lazy_exports
@@ -19,7 +20,7 @@ EXPORTS = {
     "MergeMethod": "registry",
     "TensorContext": "registry",
     "get_method": "registry",
-    "QWEN2_5_VL_GROUPS": "rules",
+    "groups": "rules",
     "Rule": "rules",
     "choose": "rules",
     "MergeSpec": "spec",

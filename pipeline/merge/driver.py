@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,18 @@ import pipeline.merge.methods  # noqa: F401  (registers the methods)
 from pipeline.checkpoint import staged_dir, write_manifest
 from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, checkpoint_name, embeddings_tied, untied_config
 from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
-from pipeline.merge.io import CheckpointReader, MergeInputError, TensorInfo, copy_aux_files, stream_checkpoint
+from pipeline.merge.io import (
+    CheckpointReader,
+    MergeInputError,
+    TensorInfo,
+    check_complete,
+    copy_aux_files,
+    stream_checkpoint,
+)
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
-
-TIED = (LM_HEAD, "model.embed_tokens.weight")
+from pipeline.models.families import family_of_checkpoint
 
 
 @dataclass
@@ -96,6 +102,13 @@ def merged_task_vector(
     if method.is_linear:
         base_coefficient, coefficients = method.coefficients(weights, params)
         return inputs.combine(coefficients.tolist(), base_coefficient - 1.0)
+    if ctx.experts:
+        # A fused expert tensor is E matrices: a per-matrix method (Iso-C, TSV) spreads one spectrum
+        # over all experts' directions otherwise, and TIES's top-k and DARE's rescaling would compare
+        # experts that never see the same tokens. Each expert is merged alone, with its own seed.
+        weights = weights.to(inputs.device)
+        experts = [replace(ctx, name=f"{ctx.name}[{e}]", experts=False) for e in range(inputs.shape[0])]
+        return torch.stack([method.merge(inputs.expert(e), weights, c, params) for e, c in enumerate(experts)])
     return method.merge(inputs, weights.to(inputs.device), ctx, params)
 
 
@@ -107,9 +120,11 @@ def merge_state_dicts(
     seed: int = 0,
     device: str = "cpu",
     block_bytes: int = 1 << 30,
+    experts: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
-    pseudo-gradients and the result is their merged update: nothing is written to disk."""
+    pseudo-gradients and the result is their merged update: nothing is written to disk.
+    ``experts`` says which tensors are fused experts (``Family.is_stacked_experts``)."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
     if len(weights) != len(models):
         raise ValueError(f"{len(models)} inputs but {len(weights)} weights")
@@ -139,7 +154,8 @@ def merge_state_dicts(
             block_bytes=block_bytes,
             workspace=workspace,
         )
-        out[name] = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
+        ctx = TensorContext(name, seed, experts=bool(experts and experts(name)))
+        out[name] = merge_tensor(method, params, inputs, weights, ctx)
     return out
 
 
@@ -231,8 +247,14 @@ class _CheckpointMerge:
             for name, info in self.info.items()
             if name not in tied
         }
+        theta0 = self.base or self.models[0]
+        reference = {n: i for n, i in theta0.info.items() if n not in _tied(theta0)}
+        if self.untied:
+            reference[LM_HEAD] = self.info[LM_HEAD]  # PEFT's merged model of an untying adapter stores it
+        check_complete(self.plan, reference, f"merge {spec.out_path}", str(theta0.path))
         self.report = MergeReport(out_path=spec.out_path)
         self.workspace = Workspace()
+        self.family = family_of_checkpoint(self.readers[0].path)  # None: a model type no family declares
 
     def _models_dtype(self, name: str) -> torch.dtype:
         dtype = self._info(self.models[0], name).dtype
@@ -288,7 +310,8 @@ class _CheckpointMerge:
         )
 
     def context(self, name: str) -> TensorContext:
-        return TensorContext(name, self.spec.seed)
+        experts = self.family is not None and self.family.is_stacked_experts(name)
+        return TensorContext(name, self.spec.seed, experts)
 
     def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
         """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""
@@ -301,7 +324,8 @@ class _CheckpointMerge:
 
 def _tied(reader: CheckpointReader) -> set[str]:
     """Names not to write: a tied ``lm_head.weight`` is the embedding matrix, merged once."""
-    return {TIED[0]} if embeddings_tied(reader.config()) and all(name in reader.info for name in TIED) else set()
+    stored = LM_HEAD in reader.info and checkpoint_name(EMBEDDING, reader.info) is not None
+    return {LM_HEAD} if embeddings_tied(reader.config()) and stored else set()
 
 
 def _own_lm_head(reader: Any) -> bool:

@@ -78,7 +78,7 @@ class TensorInputs:
         fishers: Sequence[Reader] | None = None,
         deltas: Sequence[bool] | None = None,
     ):
-        self.name, self.shape, self.device = name, tuple(shape), device
+        self.name, self.shape, self.device, self.block_bytes = name, tuple(shape), device, block_bytes
         self.inputs, self.labels, self.base, self.base_label = list(inputs), list(labels), base, base_label
         # Inputs whose reader gives τ_k itself (a LoRA adapter's B A), not a model's θ_k.
         self.deltas = list(deltas) if deltas is not None else [False] * len(self.inputs)
@@ -166,6 +166,27 @@ class TensorInputs:
         if len(self.row_blocks) == 1:
             self._kept = (i, stack)
         return stack
+
+    def expert(self, e: int) -> TensorInputs:
+        """The inputs of expert ``e`` of a fused expert tensor (experts, out, in): its (out, in)
+        matrix in every input, read whole per block (one expert is one row of the fused tensor)."""
+
+        def of(reader: Reader) -> Reader:
+            return lambda start, stop: reader(e, e + 1).reshape(self.shape[1:])[start:stop]
+
+        return TensorInputs(
+            f"{self.name}[expert {e}]",
+            self.shape[1:],
+            [of(r) for r in self.inputs],
+            self.labels,
+            base=of(self.base) if self.base is not None else None,
+            base_label=self.base_label,
+            device=self.device,
+            block_bytes=self.block_bytes,
+            workspace=self.workspace,
+            fishers=[of(f) for f in self.fishers] if self.fishers is not None else None,
+            deltas=self.deltas,
+        )
 
     def forget(self) -> None:
         """Drop the kept block (after a method overwrote it): the next ``block`` reads again."""

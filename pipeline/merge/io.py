@@ -60,6 +60,25 @@ class TensorInfo:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+def check_complete(out: dict[str, TensorInfo], reference: dict[str, TensorInfo], what: str, against: str) -> int:
+    """That ``out`` holds exactly ``reference``'s tensors, in their shapes, float where they are float
+    (a merge may change the float dtype, never drop, add or reshape a tensor: merge tools that know
+    only a language model's names drop a vision tower or experts silently). Returns the count."""
+    missing, extra = sorted(reference.keys() - out.keys()), sorted(out.keys() - reference.keys())
+    wrong = sorted(
+        name
+        for name in reference.keys() & out.keys()
+        if out[name].shape != reference[name].shape
+        or out[name].dtype.is_floating_point != reference[name].dtype.is_floating_point
+    )
+    if missing or extra or wrong:
+        raise MergeInputError(
+            f"{what} would not hold {against}'s tensors: {len(missing)} missing {missing[:5]}, "
+            f"{len(extra)} extra {extra[:5]}, {len(wrong)} of another shape or kind {wrong[:5]}; nothing written"
+        )
+    return len(out)
+
+
 class CheckpointReader:
     """Tensor names, shapes and dtypes from the headers; tensor data on demand."""
 

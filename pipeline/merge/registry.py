@@ -34,10 +34,12 @@ class MethodParams(BaseModel):
 @dataclass(frozen=True)
 class TensorContext:
     """What a method may need beyond the task vectors: the tensor's name (for seeding and
-    messages) and a seed."""
+    messages), a seed, and whether the tensor stacks experts' matrices (``experts``: a fused
+    mixture-of-experts tensor (experts, out, in), which the driver merges expert by expert)."""
 
     name: str
     seed: int = 0
+    experts: bool = False
 
     def key(self, *parts: int) -> int:
         """A seed for (seed, tensor name, parts): results do not depend on tensor order."""

@@ -3,7 +3,13 @@
 Patterns are shell globs over the tensor names *as stored on disk* (the safetensors keys of a
 ``save_pretrained`` folder, e.g. ``model.layers.3.mlp.up_proj.weight``, ``visual.merger.mlp.0.weight``),
 not the in-memory ``state_dict`` names, which differ for Qwen2.5-VL in transformers 5. A rule may
-name a preset group of Qwen2.5-VL instead of a pattern.
+name a group instead of a pattern: each model family declares its groups (``embeddings``, ``lm_head``,
+``vision_tower``, ``merger``, ``language_blocks``; ``experts`` and ``router`` for mixtures of experts) in
+``pipeline.models.families``, and a group matches its tensors in every family.
+
+A merge given as one method for every tensor merges routers by the weighted average: a router scores
+experts against each other, and a per-matrix method (Iso-C, TSV) would rescale scores the experts
+were trained to compete on. Rules that want otherwise name the ``router`` group.
 """
 
 from __future__ import annotations
@@ -15,14 +21,11 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from pipeline.merge.registry import MergeMethod, MethodParams, get_method
 
-# The natural parameter groups of Qwen2.5-VL, by on-disk name.
-QWEN2_5_VL_GROUPS: dict[str, tuple[str, ...]] = {
-    "embeddings": ("model.embed_tokens.*",),
-    "lm_head": ("lm_head.*",),
-    "vision_tower": ("visual.patch_embed.*", "visual.blocks.*"),
-    "merger": ("visual.merger.*",),
-    "language_blocks": ("model.layers.*", "model.norm.*"),
-}
+
+def groups() -> dict[str, tuple[str, ...]]:
+    from pipeline.models.families import group_patterns  # the families' modules import the config, which imports this
+
+    return group_patterns()
 
 
 class Rule(BaseModel):
@@ -36,22 +39,24 @@ class Rule(BaseModel):
     def _one_selector(self) -> Rule:
         if (self.pattern is None) == (self.group is None):
             raise ValueError("a rule needs exactly one of 'pattern' or 'group'")
-        if self.group is not None and self.group not in QWEN2_5_VL_GROUPS:
-            raise ValueError(f"unknown group '{self.group}'; known: {sorted(QWEN2_5_VL_GROUPS)}")
+        if self.group is not None and self.group not in groups():
+            raise ValueError(f"unknown group '{self.group}'; known: {sorted(groups())}")
         get_method(self.method).validate(self.params)
         return self
 
     @property
     def patterns(self) -> tuple[str, ...]:
-        return QWEN2_5_VL_GROUPS[self.group] if self.group else (self.pattern,)
+        return groups()[self.group] if self.group else (self.pattern,)
 
     def matches(self, name: str) -> bool:
         return any(fnmatchcase(name, p) for p in self.patterns)
 
 
 def rules_for(method: str | None, params: dict[str, Any], rules: list[Rule] | None) -> list[Rule]:
-    """The rules of a merge given as one method for every tensor, or as rules."""
-    return rules if rules is not None else [Rule(pattern="*", method=method, params=params)]
+    """The rules of a merge given as one method for every tensor (routers averaged), or as rules."""
+    if rules is not None:
+        return rules
+    return [Rule(group="router", method="weighted_average"), Rule(pattern="*", method=method, params=params)]
 
 
 def choose(name: str, rules: list[Rule]) -> tuple[MergeMethod, MethodParams]:

@@ -1,17 +1,19 @@
-"""Qwen2.5-VL models: the offline tiny model, loading real checkpoints, freezing, θ0."""
+"""Vision-language models: their families (``families``), the offline tiny models, loading real
+checkpoints, freezing, θ0. Exports import their submodule on first use, so that the merge library
+can read the families' declarations without importing the model code."""
 
-from pipeline.models.init import init_model, processor_for
-from pipeline.models.loading import apply_freeze, count_parameters, load_model, load_processor, parameter_groups
-from pipeline.models.tiny import build_tiny_model, build_tiny_processor
+from pipeline.lazy import lazy_exports
 
-__all__ = [
-    "apply_freeze",
-    "build_tiny_model",
-    "build_tiny_processor",
-    "count_parameters",
-    "init_model",
-    "load_model",
-    "load_processor",
-    "parameter_groups",
-    "processor_for",
-]
+EXPORTS = {
+    "init_model": "init",
+    "processor_for": "init",
+    "apply_freeze": "loading",
+    "count_parameters": "loading",
+    "load_model": "loading",
+    "load_processor": "loading",
+    "parameter_groups": "loading",
+    "build_tiny_model": "tiny",
+    "build_tiny_processor": "tiny",
+}
+__all__ = sorted(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

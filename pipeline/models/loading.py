@@ -12,14 +12,11 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from pipeline.checkpoint import MANIFEST, verify_checkpoint
 from pipeline.config import FreezeSection, ModelSection
 from pipeline.models.adapter import adapter_base, is_adapter, merge_adapter
+from pipeline.models.families import get_family
+from pipeline.models.families.shapes import pixel_bounds
 from pipeline.threads import fit_threads_to_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-
-
-def pixel_bounds(model_cfg: ModelSection) -> dict[str, int]:
-    """Image size bounds in the form transformers 5 processors take (area in pixels)."""
-    return {"shortest_edge": model_cfg.min_pixels, "longest_edge": model_cfg.max_pixels}
 
 
 def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
@@ -66,14 +63,22 @@ def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
 
 
 def parameter_groups(model: Any) -> dict[str, list[torch.nn.Parameter]]:
-    """Qwen2.5-VL's parts under the names users know: vision tower (without the merger),
-    multi-modal projector (the vision ``merger``), language model (blocks, embeddings, head)."""
-    visual = model.model.visual
-    merger = {id(p) for p in visual.merger.parameters()}
+    """The model's parts under the names users know, as its family declares them
+    (``pipeline.models.families``): vision tower (without the projector), multi-modal projector,
+    language model (blocks, embeddings, head; experts and routers included)."""
+    family = get_family(model.config.model_type, type(model).__name__)
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def under(*prefixes: str) -> list[torch.nn.Parameter]:
+        chosen = {id(p): p for name, p in params.items() if any(name.startswith(f + ".") for f in prefixes)}
+        return list(chosen.values())
+
+    projector = under(*family.projector)
+    in_projector = {id(p) for p in projector}
     return {
-        "vision_tower": [p for p in visual.parameters() if id(p) not in merger],
-        "multi_modal_projector": list(visual.merger.parameters()),
-        "language_model": [*model.model.language_model.parameters(), *model.lm_head.parameters()],
+        "vision_tower": [p for p in under(family.vision) if id(p) not in in_projector],
+        "multi_modal_projector": projector,
+        "language_model": under(*family.language),
     }
 
 

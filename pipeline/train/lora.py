@@ -3,8 +3,10 @@ weights it saves.
 
 ``train.lora_target: all`` resolves as LLaMA-Factory resolves it for Qwen2.5-VL
 (``find_all_linear_modules``, then ``patch_target_modules``): every linear layer of the parts that
-train (``model.freeze``: the vision blocks only when the vision tower trains), never ``lm_head``
-and never the projector (``visual.merger``), whatever its freeze says. Names adapt the trainable
+train (``model.freeze``: the vision blocks only when the vision tower trains), never ``lm_head``,
+never the projector (``visual.merger``), whatever its freeze says, and never a mixture of experts'
+routing gates. Fused expert tensors (Qwen3-VL-MoE's ``mlp.experts.gate_up_proj``) are parameters,
+not linear layers: ``all`` leaves them to full fine-tuning. Names adapt the trainable
 linear layers whose path ends with one of them (PEFT's rule; LLaMA-Factory's substring match picks
 the same modules for whole names such as ``q_proj`` or ``mlp.0``), ``lm_head`` included when named.
 The adapter's base is θ0, never changed: ΔW = (alpha / rank) · B A per adapted module, which is
@@ -20,6 +22,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from pipeline.config import TrainSection
+from pipeline.models.families import get_family
 from pipeline.models.loading import parameter_groups
 
 
@@ -32,6 +35,14 @@ def _projector(model: torch.nn.Module, linears: dict[str, torch.nn.Linear]) -> s
     """The projector's linear layers: the parameters ``model.freeze`` calls the projector."""
     projector = {id(p) for p in parameter_groups(model)["multi_modal_projector"]}
     return {name for name, m in linears.items() if id(m.weight) in projector}
+
+
+def _routers(model: torch.nn.Module, linears: dict[str, torch.nn.Linear]) -> set[str]:
+    """A mixture of experts' routing gates that are linear layers (Qwen3.5-MoE's shared-expert gate,
+    one row): a low-rank update of a gate is the gate's own size, and its scores are what the experts
+    are trained to compete on."""
+    family = get_family(model.config.model_type)
+    return {name for name in linears if family.is_router(f"{name}.weight")}
 
 
 def _check_head_not_tied(model: torch.nn.Module, chosen: list[str]) -> None:
@@ -49,7 +60,7 @@ def lora_targets(model: torch.nn.Module, t: TrainSection) -> list[str]:
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     trainable = {name for name, m in linears.items() if m.weight.requires_grad}
     if t.lora_target == "all":
-        chosen = sorted(trainable - {"lm_head"} - _projector(model, linears))
+        chosen = sorted(trainable - {"lm_head"} - _projector(model, linears) - _routers(model, linears))
     else:
         unknown = [x for x in t.lora_target if not any(_matches(n, x) for n in linears)]
         if unknown:

@@ -1,0 +1,88 @@
+"""Qwen3.5, dense and mixture-of-experts: natively multimodal, Qwen3-VL's vision tower without the
+DeepStack mergers, and a language model whose layers alternate linear attention (Gated DeltaNet,
+``linear_attn.…``: three of every four layers) with full attention. The MoE model stores its experts
+one by one (``mlp.experts.<e>.gate_proj.weight``: already matrices), a shared expert, and two gates:
+the router ``mlp.gate.weight`` and the shared expert's ``mlp.shared_expert_gate.weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.models.families import Family, register
+from pipeline.models.families.qwen3_vl import GROUPS, LM, special_tokens, text_config, tiny_processor
+from pipeline.models.families.qwen3_vl import vision_config as qwen3_vl_vision
+from pipeline.models.families.shapes import mrope_sections
+
+ROTARY_SHARE = 0.5  # of each head's dimensions (Qwen3.5: 0.25 of 256; a tiny head of 16 keeps 8)
+
+
+def dense_text_config(tiny: Any, ids: Any, vocab_size: int) -> dict[str, Any]:
+    config = text_config(tiny, ids, vocab_size)
+    head_dim = config["head_dim"]
+    rotary = int(head_dim * ROTARY_SHARE)
+    config["rope_parameters"] = config["rope_parameters"] | {
+        "partial_rotary_factor": ROTARY_SHARE,
+        "mrope_section": mrope_sections(rotary),
+    }
+    return config | {
+        # Qwen3.5: three linear-attention layers, then one of full attention
+        "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(tiny.num_layers - 1)]
+        + ["full_attention"],
+        "linear_num_key_heads": tiny.num_kv_heads,
+        "linear_num_value_heads": tiny.num_heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+    }
+
+
+def vision_config(tiny: Any) -> dict[str, Any]:
+    config = qwen3_vl_vision(tiny)
+    del config["deepstack_visual_indexes"]
+    return config
+
+
+def dense_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config=dense_text_config(tiny, ids, vocab_size),
+        vision_config=vision_config(tiny),
+        tie_word_embeddings=True,
+        **special_tokens(ids),
+    )
+
+
+def moe_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
+    from transformers import Qwen3_5MoeConfig
+
+    text = dense_text_config(tiny, ids, vocab_size) | {
+        "num_experts": tiny.num_experts,
+        "num_experts_per_tok": tiny.experts_per_token,
+        "moe_intermediate_size": tiny.moe_intermediate_size,
+        "shared_expert_intermediate_size": tiny.moe_intermediate_size,
+    }
+    return Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision_config(tiny), tie_word_embeddings=True, **special_tokens(ids)
+    )
+
+
+VISION = ("model.visual.patch_embed.*", "model.visual.pos_embed.*", "model.visual.blocks.*")
+QWEN3_5_GROUPS = GROUPS | {"vision_tower": VISION}
+MOE_GROUPS = QWEN3_5_GROUPS | {
+    "experts": (f"{LM}.layers.*.mlp.experts.*", f"{LM}.layers.*.mlp.shared_expert.*"),
+    "router": (f"{LM}.layers.*.mlp.gate.weight", f"{LM}.layers.*.mlp.shared_expert_gate.weight"),
+}
+COMMON = {
+    "vision": "model.visual",
+    "projector": ("model.visual.merger",),
+    "language": (LM, "lm_head"),
+    "lmms_model": "merit_qwen3_vl",  # lmms-eval's qwen3_vl class reads Qwen3.5 too (see qwen3_vl.py)
+    "lmms_adapted": "merit_qwen3_vl",
+    "tiny_processor": tiny_processor,
+    "chat_template": "qwen3_vl_chat_template.jinja",
+}
+
+QWEN3_5 = register(Family(model_type="qwen3_5", groups=QWEN3_5_GROUPS, tiny_config=dense_config, **COMMON))
+QWEN3_5_MOE = register(Family(model_type="qwen3_5_moe", groups=MOE_GROUPS, tiny_config=moe_config, **COMMON))

@@ -1,0 +1,205 @@
+"""Every model family, at tiny width from its own config class: built offline, trained on a real
+example, merged without dropping a tensor, fused experts merged expert by expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import small_config
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from pipeline.checkpoint import save_pretrained_checkpoint
+from pipeline.data.builtin import make_example
+from pipeline.data.encode import Encoder
+from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
+from pipeline.merge.io import TensorInfo, check_complete
+from pipeline.models import init_model, load_model, parameter_groups
+from pipeline.models.families import UnsupportedModelError, get_family, supported
+from pipeline.models.loading import DTYPES
+
+ROOT = Path(__file__).parent.parent
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+
+
+def test_the_registry_declares_every_supported_family():
+    assert supported() == sorted(FAMILIES)
+    with pytest.raises(UnsupportedModelError, match="model type 'llama4'.*adding-a-model-family"):
+        get_family("llama4")
+    with pytest.raises(ValueError, match="tiny:gemma9"):
+        small_config("model.name_or_path=tiny:gemma9")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def theta0(request, tmp_path_factory):
+    """(config, θ0's folder) of one family's tiny model, built as the init stage builds it."""
+    name = "tiny" if request.param == "qwen2_5_vl" else f"tiny:{request.param}"
+    cfg = small_config(f"model.name_or_path={name}")
+    run_dir = tmp_path_factory.mktemp(request.param)
+    return request.param, cfg, init_model(cfg, run_dir)["path"]
+
+
+def test_a_tiny_model_is_its_familys_own_class_and_trains_on_an_image_example(theta0):
+    model_type, cfg, path = theta0
+    assert AutoConfig.from_pretrained(path).model_type == model_type
+    model, processor = load_model(path, cfg.model), AutoProcessor.from_pretrained(path)
+    groups = parameter_groups(model)
+    unique = {id(p) for p in model.parameters()}
+    assert sum(len({id(p) for p in g}) for g in groups.values()) == len(unique)  # the parts cover it once
+    assert all(groups.values())
+    example = make_example("colour_name", 0, seed=0, image_size=64)
+    encoded = Encoder(processor, 512)(example)
+    assert int((encoded.input_ids == processor.image_token_id).sum()) > 0
+    model.train()
+    out = model(
+        input_ids=encoded.input_ids[None],
+        labels=encoded.labels[None],
+        pixel_values=encoded.pixel_values,
+        image_grid_thw=encoded.image_grid_thw,
+        mm_token_type_ids=encoded.mm_token_type_ids[None],
+    )
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    trained = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    if model_type.endswith("_moe"):  # the experts and the router learn from the example
+        assert any(".mlp.experts." in n for n in trained) and any(n.endswith("mlp.gate.weight") for n in trained)
+
+
+def branches(path: str, tmp_path, n: int = 2) -> list[str]:
+    """θ0 plus a different random change of every float tensor, saved as a branch would be."""
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(path)
+    theta = {k: v.clone() for k, v in model.state_dict().items()}
+    out = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(k)
+        state = {
+            name: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t
+            for name, t in theta.items()
+        }
+        model.load_state_dict(state)
+        out.append(str(save_pretrained_checkpoint(tmp_path / f"branch{k}", model, processor, step=1)))
+    return out
+
+
+def merge(theta0: str, paths: list[str], out: str, method: str, weights=(1.0, 3.0), **params) -> CheckpointReader:
+    models = [{"path": p, "weight": w} for p, w in zip(paths, weights)]
+    spec = MergeSpec(base_model=theta0, models=models, method=method, params=params, out_path=out)
+    merge_checkpoints(spec, progress=False)
+    return CheckpointReader(out)
+
+
+def test_a_merge_holds_exactly_theta0s_tensors_and_the_average_is_exact(theta0, tmp_path):
+    model_type, cfg, path = theta0
+    paths = branches(path, tmp_path)
+    merged = merge(path, paths, str(tmp_path / "avg"), "weighted_average")
+    base = CheckpointReader(path)
+    assert {n: i.shape for n, i in merged.info.items()} == {n: i.shape for n, i in base.info.items()}
+    inputs = [CheckpointReader(p) for p in paths]
+    for name in base.info:
+        expected = 0.25 * inputs[0].get(name).float() + 0.75 * inputs[1].get(name).float()
+        assert torch.allclose(merged.get(name).float(), expected, rtol=0, atol=1e-6), name
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "avg", dtype=DTYPES[cfg.model.dtype])
+    assert loaded.config.model_type == model_type
+
+
+def test_a_fused_expert_tensor_merges_expert_by_expert_and_routers_average(tmp_path_factory, tmp_path):
+    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe")
+    path = init_model(cfg, tmp_path_factory.mktemp("moe"))["path"]
+    paths = branches(path, tmp_path)
+    merged = merge(path, paths, str(tmp_path / "iso"), "iso_c")
+    base, inputs = CheckpointReader(path), [CheckpointReader(p) for p in paths]
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    router = "model.language_model.layers.0.mlp.gate.weight"
+    assert base.info[fused].shape[0] == cfg.model.tiny.num_experts
+    taus = [np.asarray(r.get(fused).double() - base.get(fused).double()) for r in inputs]
+    for e in range(base.info[fused].shape[0]):
+        mean = 0.25 * taus[0][e] + 0.75 * taus[1][e]  # Iso-C of this expert's matrix alone
+        u, s, vt = np.linalg.svd(mean, full_matrices=False)
+        expected = base.get(fused)[e].double().numpy() + s.mean() * u @ vt
+        np.testing.assert_allclose(merged.get(fused)[e].double().numpy(), expected, atol=1e-5)
+    average = 0.25 * inputs[0].get(router) + 0.75 * inputs[1].get(router)
+    assert torch.allclose(merged.get(router), average, rtol=0, atol=1e-6)
+
+
+def test_an_output_missing_or_adding_a_tensor_is_refused_naming_it():
+    reference = {
+        "model.visual.deepstack_merger_list.0.norm.weight": TensorInfo((8,), torch.float32),
+        "model.language_model.layers.0.mlp.experts.down_proj": TensorInfo((4, 8, 2), torch.bfloat16),
+    }
+    assert check_complete(dict(reference), reference, "merge m", "θ0") == 2
+    dropped = {k: v for k, v in reference.items() if "visual" not in k}
+    with pytest.raises(MergeInputError, match=r"1 missing \['model.visual.deepstack_merger_list.0.norm.weight'\]"):
+        check_complete(dropped, reference, "merge m", "θ0")
+    reshaped = reference | {"model.language_model.layers.0.mlp.experts.down_proj": TensorInfo((8, 2), torch.float32)}
+    with pytest.raises(MergeInputError, match="1 of another shape"):
+        check_complete(reshaped, reference, "merge m", "θ0")
+
+
+def test_calibration_sketches_the_experts_and_the_router_of_a_mixture_of_experts():
+    from calibration.gradients import select_parameters
+    from pipeline.models import build_tiny_model
+
+    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe")
+    model = build_tiny_model(cfg.model, 0)[0]
+    chosen = select_parameters(model, cfg.calibration.params, cfg.calibration.matrices_only)
+    layer = "model.language_model.layers.0."
+    assert {f"{layer}mlp.experts.gate_up_proj", f"{layer}mlp.experts.down_proj", f"{layer}mlp.gate.weight"} <= set(
+        chosen
+    )
+    assert not any(n.endswith("norm.weight") for n in chosen)
+
+
+# The shipped configs' models at tiny widths with their structure: Qwen3-VL-8B untied; 30B-A3B a
+# mixture of experts, untied, its DeepStack mergers at three of the vision blocks.
+SHIPPED = {
+    "qwen3_vl_8b_lora.yaml": ("Qwen/Qwen3-VL-8B-Instruct", "tiny:qwen3_vl", []),
+    "qwen3_vl_30b_a3b_lora.yaml": (
+        "Qwen/Qwen3-VL-30B-A3B-Instruct",
+        "tiny:qwen3_vl_moe",
+        ["model.tiny.num_experts=8", "model.tiny.experts_per_token=2", "model.tiny.vision_depth=17"],
+    ),
+}
+
+
+@pytest.mark.parametrize("config", sorted(SHIPPED))
+def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_it_whole(config, tmp_path):
+    """θ0 named by its hub id, found in a hub-shaped cache; preflight's model, LoRA, DeepSpeed and
+    merge checks pass; LoRA `all` adapts the attention (no router, no expert); the config's merges
+    keep every tensor."""
+    from conftest import hub_snapshot
+
+    from pipeline import preflight
+    from pipeline.config import load_config
+    from pipeline.models import apply_freeze, build_tiny_model
+    from pipeline.train.lora import lora_targets
+
+    repo, tiny, widths = SHIPPED[config]
+    built = small_config(f"model.name_or_path={tiny}", *widths)
+    model, processor = build_tiny_model(built.model, seed=0)
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "download")
+    processor.save_pretrained(tmp_path / "download")
+    hub_snapshot(tmp_path / "hf", repo, tmp_path / "download")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HOME", str(tmp_path / "hf"))
+        cfg = load_config(ROOT / "configs" / config, [f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json"])
+        assert preflight._theta0(cfg, tmp_path).endswith(f"({tiny.partition(':')[2]})")
+        assert preflight._lora(cfg, tmp_path).startswith("LoRA rank 16")
+        preflight._deepspeed(cfg, tmp_path)
+        preflight._merges(cfg, tmp_path)
+        path = preflight.base_path(cfg, tmp_path)
+    apply_freeze(model, cfg.model.freeze)
+    targets = lora_targets(model, cfg.train)
+    assert {t.rsplit(".", 1)[-1] for t in targets} == {"q_proj", "k_proj", "v_proj", "o_proj"} | (
+        set() if "moe" in tiny else {"gate_proj", "up_proj", "down_proj"}
+    )
+    paths = branches(path, tmp_path)
+    iso = next(m for m in cfg.merge.methods if m.method == "iso_c")
+    merged = merge(path, paths, str(tmp_path / "merged"), iso.method, **iso.params)
+    base = CheckpointReader(path)
+    assert {n: i.shape for n, i in merged.info.items()} == {n: i.shape for n, i in base.info.items()}
+    assert "lm_head.weight" in merged.info and any("deepstack_merger_list" in n for n in merged.info)
