@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,16 +118,13 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
     return f"{gpus} GPU(s)" if gpus else "CPU only"
 
 
-def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
-    """LoRA's targets against the model's modules (built on the meta device: no weights read)."""
+def _meta_model(cfg: RunConfig, run_dir: str | Path) -> Any:
+    """θ0's model on the meta device (no weights read), frozen as configured."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from pipeline.models.loading import apply_freeze
     from pipeline.models.tiny import tiny_config
-    from pipeline.train.lora import check_additional_targets, lora_targets
 
-    if "lora" not in {cfg.train.finetuning_type, cfg.warmup.finetuning_type if cfg.warmup.steps else "full"}:
-        return "full fine-tuning"
     if is_tiny(cfg):
         config = tiny_config(cfg.model, None)
     else:
@@ -134,6 +132,16 @@ def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     apply_freeze(model, cfg.model.freeze)
+    return model
+
+
+def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
+    """LoRA's targets against the model's modules (built on the meta device: no weights read)."""
+    from pipeline.train.lora import check_additional_targets, lora_targets
+
+    if "lora" not in {cfg.train.finetuning_type, cfg.warmup.finetuning_type if cfg.warmup.steps else "full"}:
+        return "full fine-tuning"
+    model = _meta_model(cfg, run_dir)
     targets = lora_targets(model, cfg.train)
     check_additional_targets(model, cfg.train)
     t = cfg.train
@@ -148,5 +156,9 @@ def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
 
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.diloco.plan import check_diloco
+    from pipeline.diloco.weights import disk_names
 
-    return check_diloco(cfg, torch.cuda.device_count())
+    checked = check_diloco(cfg, torch.cuda.device_count())
+    if cfg.train.finetuning_type == "full":
+        disk_names(_meta_model(cfg, run_dir))  # full workers read and set their tensors by on-disk name
+    return checked

@@ -203,3 +203,14 @@ def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_i
     base = CheckpointReader(path)
     assert {n: i.shape for n, i in merged.info.items()} == {n: i.shape for n, i in base.info.items()}
     assert "lm_head.weight" in merged.info and any("deepstack_merger_list" in n for n in merged.info)
+
+
+def test_full_weight_diloco_on_qwen3_5_moe_is_refused_before_it_starts():
+    """Its experts are fused in memory and stored one by one: full-weight workers, which read and set
+    their tensors by on-disk name, would need the split at every round; preflight says so."""
+    from pipeline import preflight
+
+    cfg = small_config("model.name_or_path=tiny:qwen3_5_moe")
+    with pytest.raises(ValueError, match="experts fused in memory, stored one by one.*lora"):
+        preflight._diloco(cfg, ".")
+    assert "workers" in preflight._diloco(small_config("model.name_or_path=tiny:qwen3_vl_moe"), ".")

@@ -23,7 +23,13 @@ def disk_names(model: Any) -> dict[str, torch.nn.Parameter]:
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     on_disk = revert_weight_conversion(model, dict(params))
     if {id(p) for p in on_disk.values()} != {id(p) for p in params.values()}:
-        raise ValueError(f"{type(model).__name__}: its checkpoint conversion does more than rename tensors")
+        # Qwen3.5-MoE: experts fused in memory, stored one by one. A worker's Δ and the global it
+        # loads would need the split and the fusion at every round: not done, so refused up front.
+        raise ValueError(
+            f"{type(model).__name__}: its checkpoint conversion does more than rename tensors (experts fused in "
+            "memory, stored one by one), which full-weight DiLoCo workers do not handle; train LoRA workers "
+            "(train.finetuning_type: lora) or use the MERIT flow"
+        )
     return on_disk
 
 

@@ -80,6 +80,6 @@ QWEN2_5_VL = register(
         lmms_adapted="merit_qwen2_5_vl",
         tiny_config=tiny_config,
         tiny_processor=tiny_processor,
-        chat_template="qwen2_5_vl_chat_template.jinja",
+        chat_template="qwen_vl_chat_template.jinja",
     )
 )

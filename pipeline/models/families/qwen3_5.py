@@ -81,7 +81,7 @@ COMMON = {
     "lmms_model": "merit_qwen3_vl",  # lmms-eval's qwen3_vl class reads Qwen3.5 too (see qwen3_vl.py)
     "lmms_adapted": "merit_qwen3_vl",
     "tiny_processor": tiny_processor,
-    "chat_template": "qwen3_vl_chat_template.jinja",
+    "chat_template": "qwen_vl_chat_template.jinja",
 }
 
 QWEN3_5 = register(Family(model_type="qwen3_5", groups=QWEN3_5_GROUPS, tiny_config=dense_config, **COMMON))

@@ -133,7 +133,10 @@ COMMON = {
     "lmms_model": "merit_qwen3_vl",
     "lmms_adapted": "merit_qwen3_vl",
     "tiny_processor": tiny_processor,
-    "chat_template": "qwen3_vl_chat_template.jinja",
+    # Qwen2.5-VL's template: it opens with "You are a helpful assistant." when a conversation has no
+    # system turn, as lmms-eval's qwen3_vl prompts every question (Qwen3-VL's own template adds none):
+    # the tiny model's training and benchmark prompts then agree.
+    "chat_template": "qwen_vl_chat_template.jinja",
 }
 
 QWEN3_VL = register(Family(model_type="qwen3_vl", groups=GROUPS, tiny_config=dense_config, **COMMON))

@@ -1,0 +1,91 @@
+"""The demo's flows on the mixture-of-experts families, at the smallest settings that run every stage:
+MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused in memory and stored one by one, a shared
+expert: calibration over the experts and routers, K = 2 branches, merges, lmms-eval through this
+project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE (fused experts on disk too, merged
+expert by expert). The dense families' stages are tests/test_families.py's (built, one training step,
+merges): a whole flow per family costs the suite about two minutes each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForImageTextToText
+
+from flows.diloco import diloco
+from flows.merit import merit
+from pipeline.merge import CheckpointReader, MergeSpec
+
+ROOT = Path(__file__).parent.parent
+DEMO = str(ROOT / "configs/demo.yaml")
+TASKS = "[colour_name, colour_complement, count_digits, count_words]"
+SMALL = [
+    f"data.sources=[{{name: builtin, format: builtin, tasks: {TASKS}}}]",
+    "data.builtin.examples_per_source=8",
+    "warmup.steps=0",
+    "train.micro_batch=4",
+    f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "flow.joint_baseline=false",
+    "flow.retry_delay_s=0",
+    "eval.max_examples_per_source=2",
+    "eval.benchmarks=[toy_perception]",
+    "eval.benchmark_limit=2",
+]
+
+
+def same_tensors(folder: Path, theta0: CheckpointReader) -> None:
+    out = CheckpointReader(folder)
+    assert {n: i.shape for n, i in out.info.items()} == {n: i.shape for n, i in theta0.info.items()}
+
+
+def test_merit_on_a_tiny_qwen3_5_moe_runs_every_stage(prefect_api, tmp_path):
+    run_dir = tmp_path / "run"
+    settings = [
+        *SMALL,
+        "model.name_or_path=tiny:qwen3_5_moe",
+        "calibration.n_per_source=4",
+        "calibration.batch_size=4",
+        "train.steps=4",
+        "train.checkpoint_every=4",
+        "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}]",
+    ]
+    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    theta0 = CheckpointReader(run_dir / "init")
+    sketched = json.loads((run_dir / "calibration" / "gradients.json").read_text())["parameters"]
+    blocks = {n: i for n, i in theta0.info.items() if n.startswith("model.language_model.layers.")}
+    matrices = [i.shape for n, i in blocks.items() if len(i.shape) == 2]  # experts stored one by one
+    assert sketched == sum(torch.Size(s).numel() for s in matrices)  # the experts and routers included
+    branches = [CheckpointReader(run_dir / "branches" / str(k) / "final") for k in range(2)]
+    for name in ("token_average", "iso_c"):
+        same_tensors(run_dir / "merged" / name, theta0)
+        model = AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / name)
+        assert model.config.model_type == "qwen3_5_moe"
+    spec = json.loads((run_dir / "merged" / "token_average" / "manifest.json").read_text())["spec"]
+    w = MergeSpec.model_validate(spec).normalized_weights()  # n_k / Σ n_j, the groups' tokens
+    expert = "model.language_model.layers.0.mlp.experts.1.down_proj.weight"
+    expected = w[0] * branches[0].get(expert) + w[1] * branches[1].get(expert)
+    assert torch.allclose(CheckpointReader(run_dir / "merged" / "token_average").get(expert), expected, atol=1e-6)
+    job = run_dir / "eval" / "benchmarks" / "merged-token_average" / "toy_perception"
+    score = json.loads((job / "score.json").read_text())
+    assert score["identity"]["model"] == "merit_qwen3_vl" and score["score"] is not None, score
+
+
+def test_diloco_on_a_tiny_qwen3_vl_moe_keeps_every_tensor(prefect_api, tmp_path):
+    run_dir = tmp_path / "run"
+    settings = [
+        *SMALL,
+        "model.name_or_path=tiny:qwen3_vl_moe",
+        "diloco.inner_steps=2",
+        "diloco.rounds=2",
+        "diloco.eval_every=0",
+        "diloco.methods=[{name: iso, method: iso_c, outer_lr: 1.0, outer_momentum: 0.0}]",
+    ]
+    state = diloco(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    theta0 = CheckpointReader(run_dir / "init")
+    final = run_dir / "diloco" / "iso-iid" / "global" / "2"  # variant: the method and the shards
+    same_tensors(final, theta0)
+    assert json.loads((final / "round.json").read_text())["tensors"] == len(theta0.info)
+    assert AutoModelForImageTextToText.from_pretrained(final).config.model_type == "qwen3_vl_moe"
