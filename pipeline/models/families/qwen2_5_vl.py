@@ -7,20 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.shapes import mrope_sections, pixel_bounds
+from pipeline.models.families.shapes import mrope_sections, pixel_bounds, text_widths
 
 
 def tiny_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
     from transformers import Qwen2_5_VLConfig
 
     return Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": tiny.hidden_size,
-            "intermediate_size": tiny.intermediate_size,
-            "num_hidden_layers": tiny.num_layers,
-            "num_attention_heads": tiny.num_heads,
-            "num_key_value_heads": tiny.num_kv_heads,
+        text_config=text_widths(tiny, vocab_size)
+        | {
             "max_position_embeddings": 4096,
             "rope_parameters": {
                 "rope_type": "default",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.qwen3_vl import GROUPS, LM, special_tokens, text_config, tiny_processor
+from pipeline.models.families.qwen3_vl import GROUPS, LM, composite, text_config, tiny_processor
 from pipeline.models.families.qwen3_vl import vision_config as qwen3_vl_vision
 from pipeline.models.families.shapes import mrope_sections
 
@@ -44,28 +44,17 @@ def vision_config(tiny: Any) -> dict[str, Any]:
 
 
 def dense_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
-    from transformers import Qwen3_5Config
-
-    return Qwen3_5Config(
-        text_config=dense_text_config(tiny, ids, vocab_size),
-        vision_config=vision_config(tiny),
-        tie_word_embeddings=True,
-        **special_tokens(ids),
-    )
+    return composite("Qwen3_5Config", dense_text_config(tiny, ids, vocab_size), vision_config(tiny), ids)
 
 
 def moe_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
-    from transformers import Qwen3_5MoeConfig
-
     text = dense_text_config(tiny, ids, vocab_size) | {
         "num_experts": tiny.num_experts,
         "num_experts_per_tok": tiny.experts_per_token,
         "moe_intermediate_size": tiny.moe_intermediate_size,
         "shared_expert_intermediate_size": tiny.moe_intermediate_size,
     }
-    return Qwen3_5MoeConfig(
-        text_config=text, vision_config=vision_config(tiny), tie_word_embeddings=True, **special_tokens(ids)
-    )
+    return composite("Qwen3_5MoeConfig", text, vision_config(tiny), ids)
 
 
 VISION = ("model.visual.patch_embed.*", "model.visual.pos_embed.*", "model.visual.blocks.*")

@@ -12,20 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.shapes import mrope_sections, pixel_bounds
+from pipeline.models.families.shapes import mrope_sections, pixel_bounds, text_widths
 
 PATCH = 16  # pixels per vision patch side (Qwen2.5-VL: 14); 2 × 2 patches make one token
 
 
 def text_config(tiny: Any, ids: Any, vocab_size: int) -> dict[str, Any]:
     head_dim = tiny.hidden_size // tiny.num_heads
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": tiny.hidden_size,
-        "intermediate_size": tiny.intermediate_size,
-        "num_hidden_layers": tiny.num_layers,
-        "num_attention_heads": tiny.num_heads,
-        "num_key_value_heads": tiny.num_kv_heads,
+    return text_widths(tiny, vocab_size) | {
         "head_dim": head_dim,
         "max_position_embeddings": 4096,
         "rope_parameters": {
@@ -70,26 +64,21 @@ def special_tokens(ids: Any) -> dict[str, int]:
     return {f"{name}_id": ids(token) for name, token in zip(names, tokens)}
 
 
-def dense_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
-    from transformers import Qwen3VLConfig
+def composite(config_class: str, text: dict[str, Any], vision: dict[str, Any], ids: Any) -> Any:
+    """transformers' ``config_class`` of a Qwen model: its text and vision parts, the head tied, the
+    vision tokens' ids."""
+    import transformers
 
-    return Qwen3VLConfig(
-        text_config=text_config(tiny, ids, vocab_size),
-        vision_config=vision_config(tiny),
-        tie_word_embeddings=True,
-        **special_tokens(ids),
-    )
+    config = getattr(transformers, config_class)
+    return config(text_config=text, vision_config=vision, tie_word_embeddings=True, **special_tokens(ids))
+
+
+def dense_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
+    return composite("Qwen3VLConfig", text_config(tiny, ids, vocab_size), vision_config(tiny), ids)
 
 
 def moe_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
-    from transformers import Qwen3VLMoeConfig
-
-    return Qwen3VLMoeConfig(
-        text_config=moe_text_config(tiny, ids, vocab_size),
-        vision_config=vision_config(tiny),
-        tie_word_embeddings=True,
-        **special_tokens(ids),
-    )
+    return composite("Qwen3VLMoeConfig", moe_text_config(tiny, ids, vocab_size), vision_config(tiny), ids)
 
 
 def tiny_processor(model_cfg: Any, tokenizer: Any, chat_template: str) -> Any:

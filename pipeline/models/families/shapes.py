@@ -15,3 +15,15 @@ def mrope_sections(rotary_dim: int) -> list[int]:
     half = rotary_dim // 2
     sections = [half // 4, (half - half // 4) // 2]
     return [*sections, half - sum(sections)]
+
+
+def text_widths(tiny: Any, vocab_size: int) -> dict[str, int]:
+    """A tiny language model's widths (``model.tiny``), as every Qwen text config names them."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": tiny.hidden_size,
+        "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_layers,
+        "num_attention_heads": tiny.num_heads,
+        "num_key_value_heads": tiny.num_kv_heads,
+    }
