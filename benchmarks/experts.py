@@ -14,6 +14,7 @@ import argparse
 import itertools
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,13 +22,15 @@ import torch
 from pipeline.layout import init_path, run_config
 from pipeline.merge.io import CheckpointReader
 from pipeline.merging import branch_finals
-from pipeline.models.families import family_of_checkpoint
+from pipeline.models.families import stacked_experts
 
 # One expert's tensors: a fused tensor's row e, or the tensors of ``experts.<e>.``.
 PER_EXPERT = re.compile(r"^(?P<layer>.*\.layers\.\d+)\.mlp\.experts\.(?P<e>\d+)\.")
 
 
-def expert_updates(theta0: CheckpointReader, branch: CheckpointReader, stacked) -> dict[tuple[str, int], torch.Tensor]:
+def expert_updates(
+    theta0: CheckpointReader, branch: CheckpointReader, stacked: Callable[[str], bool]
+) -> dict[tuple[str, int], torch.Tensor]:
     """(layer, expert) → the branch's update of that expert's weights, flattened."""
     parts: dict[tuple[str, int], list[torch.Tensor]] = {}
     for name in theta0.info:
@@ -58,8 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     cfg = run_config(None, [], str(args.run_dir))[0]
     start = CheckpointReader(init_path(cfg, args.run_dir))
-    family = family_of_checkpoint(start.path)
-    stacked = family.is_stacked_experts if family else (lambda name: False)
+    stacked = stacked_experts(start.path)
     branches = [expert_updates(start, CheckpointReader(p), stacked) for p in branch_finals(args.run_dir)]
     if not branches[0]:
         raise SystemExit(f"{args.run_dir}: θ0 ({start.path}) has no expert tensors: not a mixture of experts")

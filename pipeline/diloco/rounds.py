@@ -65,7 +65,7 @@ from pipeline.merge.io import (
 )
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
-from pipeline.models.families import family_of_checkpoint
+from pipeline.models.families import stacked_experts
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
 MEMBERS = "members.json"  # each round's workers, decided once
@@ -373,7 +373,7 @@ class _RoundStep:
 
     def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
         self.theta = CheckpointReader(global_dir(plan, r))
-        self.family = family_of_checkpoint(global_dir(plan, r))
+        self.stacked = stacked_experts(global_dir(plan, r))
         self.deltas = [open_payload(delta_dir(plan, r, k), self.theta) for k in workers]
         self.trained = self.deltas[0].trained
         self.outer, self.previous = outer_of(plan.method), outer_state(plan, r)
@@ -401,8 +401,7 @@ class _RoundStep:
             self.meter.add(list(inputs.block(i)))
         inputs.forget()
         self.seconds["drift"] += clock.lap()
-        experts = self.family is not None and self.family.is_stacked_experts(name)
-        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed, experts))
+        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed, self.stacked(name)))
         self.seconds["merge"] += clock.lap()
         value = self.theta.get(name).to(self.device, torch.float32)
         previous = self.previous.get(name).to(self.device) if self.previous else None

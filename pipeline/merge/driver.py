@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from pipeline.merge.io import (
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
-from pipeline.models.families import family_of_checkpoint
+from pipeline.models.families import stacked_experts
 
 
 @dataclass
@@ -120,11 +120,9 @@ def merge_state_dicts(
     seed: int = 0,
     device: str = "cpu",
     block_bytes: int = 1 << 30,
-    experts: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
-    pseudo-gradients and the result is their merged update: nothing is written to disk.
-    ``experts`` says which tensors are fused experts (``Family.is_stacked_experts``)."""
+    pseudo-gradients and the result is their merged update: nothing is written to disk."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
     if len(weights) != len(models):
         raise ValueError(f"{len(models)} inputs but {len(weights)} weights")
@@ -154,8 +152,7 @@ def merge_state_dicts(
             block_bytes=block_bytes,
             workspace=workspace,
         )
-        ctx = TensorContext(name, seed, experts=bool(experts and experts(name)))
-        out[name] = merge_tensor(method, params, inputs, weights, ctx)
+        out[name] = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
     return out
 
 
@@ -254,7 +251,7 @@ class _CheckpointMerge:
         check_complete(self.plan, reference, f"merge {spec.out_path}", str(theta0.path))
         self.report = MergeReport(out_path=spec.out_path)
         self.workspace = Workspace()
-        self.family = family_of_checkpoint(self.readers[0].path)  # None: a model type no family declares
+        self.stacked = stacked_experts(self.readers[0].path)
 
     def _models_dtype(self, name: str) -> torch.dtype:
         dtype = self._info(self.models[0], name).dtype
@@ -310,8 +307,7 @@ class _CheckpointMerge:
         )
 
     def context(self, name: str) -> TensorContext:
-        experts = self.family is not None and self.family.is_stacked_experts(name)
-        return TensorContext(name, self.spec.seed, experts)
+        return TensorContext(name, self.spec.seed, self.stacked(name))
 
     def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
         """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""

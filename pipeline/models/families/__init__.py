@@ -12,6 +12,7 @@ docs/guides/adding-a-model-family.md says how to add one.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -98,16 +99,17 @@ def family_of_config(config: dict[str, Any], where: str = "") -> Family:
     return get_family(config.get("model_type", "?"), where)
 
 
-def family_of_checkpoint(path: str | Path) -> Family | None:
-    """The family of a checkpoint folder, or None when its model type is not declared (a merge of
-    any transformers checkpoint still works, without per-expert merging or router rules)."""
-    import json
-
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    _load()
-    return FAMILIES.get(json.loads(config.read_text()).get("model_type"))
+def stacked_experts(checkpoint: str | Path) -> Callable[[str], bool]:
+    """Which tensors of a checkpoint folder are fused experts, by its family; none where its model
+    type is not declared (a merge of any transformers checkpoint works, expert by expert only where
+    a family says so)."""
+    config = Path(checkpoint) / "config.json"
+    if config.is_file():
+        _load()
+        family = FAMILIES.get(json.loads(config.read_text()).get("model_type"))
+        if family is not None:
+            return family.is_stacked_experts
+    return lambda name: False
 
 
 def is_tiny_name(name_or_path: str) -> bool:
