@@ -33,6 +33,7 @@ from pipeline.layout import INIT, bench_dir
 from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.merge import CheckpointReader
 from pipeline.models import load_model, load_processor, processor_for
+from pipeline.models.families import tiny_family
 
 DEVICES_GB = (80, 141)  # A100 / H100 80 GB, H200
 
@@ -157,7 +158,8 @@ def main(args: argparse.Namespace) -> None:
     kinds = ("cuda",) if device == "cuda" else ("rss", "anon")
     baseline = run_in_process(_measured, _baseline, device)
     at_rest = ", ".join(f"{k} {baseline[k] / 2**20:,.0f} MB" for k in kinds)
-    print(f"Qwen2.5-VL at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}")
+    family = tiny_family(cfg.model.name_or_path).model_type  # --set model.name_or_path=tiny:<model_type>
+    print(f"{family} at the {args.size} widths: {params / 1e6:,.1f} M parameters, {args.dtype}, {device}")
     print(f"baseline (a process with torch and transformers imported): {at_rest}")
     peaks = ["peak GPU MB"] if device == "cuda" else ["peak resident MB", "peak anonymous MB"]
 
