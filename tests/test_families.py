@@ -214,3 +214,34 @@ def test_full_weight_diloco_on_qwen3_5_moe_is_refused_before_it_starts():
     with pytest.raises(ValueError, match="experts fused in memory, stored one by one.*lora"):
         preflight._diloco(cfg, ".")
     assert "workers" in preflight._diloco(small_config("model.name_or_path=tiny:qwen3_vl_moe"), ".")
+
+
+def test_a_hub_theta0_with_experts_stored_in_out_merges_with_branches_saved_out_in(tmp_path_factory, tmp_path):
+    """Qwen3-VL-MoE on the hub stores each expert (in, out); transformers 5 loads it transposed and
+    saves (out, in): θ0 and its branches hold the experts in two layouts, merged in the branches'."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24")
+    built = init_model(cfg, tmp_path_factory.mktemp("moe-hub"))["path"]
+    paths = branches(built, tmp_path)  # saved by transformers: (experts, out, in)
+    hub = tmp_path / "hub"
+    shutil.copytree(built, hub, ignore=shutil.ignore_patterns("manifest.json", ".*"))
+    state = load_file(hub / "model.safetensors")
+    fused = "model.language_model.layers.0.mlp.experts.down_proj"
+    save_file(
+        {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in state.items()},
+        hub / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    assert CheckpointReader(hub).info[fused].shape == (4, 24, 64)  # (experts, in, out) as on the hub
+    for method in ("weighted_average", "iso_c"):
+        merged = merge(str(hub), paths, str(tmp_path / method), method)
+        assert merged.info[fused].shape == (4, 64, 24)
+        assert AutoModelForImageTextToText.from_pretrained(tmp_path / method).config.model_type == "qwen3_vl_moe"
+    inputs = [CheckpointReader(p) for p in paths]
+    average = 0.25 * inputs[0].get(fused) + 0.75 * inputs[1].get(fused)
+    assert torch.allclose(CheckpointReader(tmp_path / "weighted_average").get(fused), average, rtol=0, atol=1e-6)
+    delta = CheckpointReader(tmp_path / "iso_c").get(fused) - CheckpointReader(built).get(fused)
+    assert delta.abs().max() < 0.1  # θ0 read in the branches' layout: the update is a small ΔW

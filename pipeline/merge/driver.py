@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -223,6 +223,9 @@ class _CheckpointMerge:
             AdapterReader(e.adapter, self.base) if e.adapter else CheckpointReader(e.path) for e in spec.models
         ]
         self.labels = [entry.source for entry in spec.models]
+        self.stacked = stacked_experts(spec.base_model or spec.models[0].path)
+        if self.base is not None:
+            self.base.transpose_experts(_other_layout(self.base.info, self.models[0].info, self.stacked))
         with_fisher = all(e.fisher for e in spec.models)
         self.fishers = [CheckpointReader(entry.fisher) for entry in spec.models] if with_fisher else None
         self.readers = [r for r in (self.base, *self.models) if r is not None]
@@ -251,7 +254,6 @@ class _CheckpointMerge:
         check_complete(self.plan, reference, f"merge {spec.out_path}", str(theta0.path))
         self.report = MergeReport(out_path=spec.out_path)
         self.workspace = Workspace()
-        self.stacked = stacked_experts(self.readers[0].path)
 
     def _models_dtype(self, name: str) -> torch.dtype:
         dtype = self._info(self.models[0], name).dtype
@@ -316,6 +318,21 @@ class _CheckpointMerge:
             lacking = next(f for f in self.fishers if f not in having)
             raise MergeInputError(f"{lacking.path}: no Fisher values for tensor {name}, which other Fisher files have")
         return having or None
+
+
+def _other_layout(
+    base: dict[str, TensorInfo], model: dict[str, TensorInfo], stacked: Callable[[str], bool]
+) -> list[str]:
+    """θ0's fused expert tensors stored (experts, b, a) where the model stores (experts, a, b)."""
+    return [
+        name
+        for name, info in base.items()
+        if stacked(name)
+        and name in model
+        and len(info.shape) == 3
+        and info.shape != model[name].shape
+        and (info.shape[0], info.shape[2], info.shape[1]) == model[name].shape
+    ]
 
 
 def _tied(reader: CheckpointReader) -> set[str]:
