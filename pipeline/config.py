@@ -88,7 +88,9 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     trust_remote_code: bool = False
+    # Lower bound of an image's area (Qwen families); InternVL tiles as its processor config says
     min_pixels: int = Field(56 * 56, ge=28 * 28)
+    # Upper bound of an image's area (Qwen families); a tiny InternVL's most tiles: max_pixels // 56²
     max_pixels: int = Field(112 * 112, ge=28 * 28)
     freeze: FreezeSection = FreezeSection()
     tiny: TinyModelSection = TinyModelSection()

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import small_config
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.data.builtin import make_example
-from pipeline.data.encode import Encoder
+from pipeline.data.encode import Collator, Encoder
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import TensorInfo, check_complete
 from pipeline.models import init_model, load_model, parameter_groups
@@ -21,7 +22,7 @@ from pipeline.models.families import UnsupportedModelError, get_family, supporte
 from pipeline.models.loading import DTYPES
 
 ROOT = Path(__file__).parent.parent
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"]
 
 
 def test_the_registry_declares_every_supported_family():
@@ -53,16 +54,12 @@ def test_a_tiny_model_is_its_familys_own_class_and_trains_on_an_image_example(th
     encoded = Encoder(processor, 512)(example)
     assert int((encoded.input_ids == processor.image_token_id).sum()) > 0
     model.train()
-    out = model(
-        input_ids=encoded.input_ids[None],
-        labels=encoded.labels[None],
-        pixel_values=encoded.pixel_values,
-        image_grid_thw=encoded.image_grid_thw,
-        mm_token_type_ids=encoded.mm_token_type_ids[None],
-    )
+    out = model(**Collator(processor.tokenizer.pad_token_id)([encoded]))  # as a training step feeds it
     out.loss.backward()
     assert torch.isfinite(out.loss)
     trained = [n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    vision = get_family(model_type).vision.removeprefix("model.")
+    assert any(vision in n for n in trained)  # the image reached the model through its vision tower
     if model_type.endswith("_moe"):  # the experts and the router learn from the example
         assert any(".mlp.experts." in n for n in trained) and any(n.endswith("mlp.gate.weight") for n in trained)
 
@@ -103,6 +100,34 @@ def test_a_merge_holds_exactly_theta0s_tensors_and_the_average_is_exact(theta0, 
         assert torch.allclose(merged.get(name).float(), expected, rtol=0, atol=1e-6), name
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "avg", dtype=DTYPES[cfg.model.dtype])
     assert loaded.config.model_type == model_type
+
+
+def test_a_merged_lora_adapter_is_pefts_merged_model_under_every_familys_tensor_names(theta0, tmp_path):
+    """LoRA on every linear layer (vision tower, projector, language model): the merge library finds each
+    adapted module's tensor under the family's on-disk name and adds PEFT's ΔW to it."""
+    model_type, _, path = theta0
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), all_linear())
+    g = torch.Generator().manual_seed(0)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data = 0.1 * torch.randn(p.shape, generator=g)
+    peft.save_pretrained(tmp_path / "adapter")
+    base = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    theta = {k: v.clone() for k, v in base.state_dict().items()}
+    reference = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    spec = {"base_model": path, "models": [{"adapter": str(tmp_path / "adapter")}], "out_path": str(tmp_path / "m")}
+    merge_checkpoints(MergeSpec.model_validate(spec | {"method": "weighted_average"}), progress=False)
+    ours = AutoModelForImageTextToText.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
+    changed = [n for n in theta if not torch.equal(reference[n], theta[n])]
+    parts = {get_family(model_type).vision, *get_family(model_type).projector, "model.language_model"}
+    assert all(any(n.startswith(part) for n in changed) for part in parts)  # every part adapted
+    for name in theta:
+        delta = reference[name] - theta[name]
+        torch.testing.assert_close(ours[name] - theta[name], delta, rtol=0, atol=1e-6 * (1 + delta.abs().max()))
+
+
+def all_linear() -> LoraConfig:
+    return LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")
 
 
 def test_a_fused_expert_tensor_merges_expert_by_expert_and_routers_average(tmp_path_factory, tmp_path):

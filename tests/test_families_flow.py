@@ -1,9 +1,10 @@
-"""The demo's flows on the mixture-of-experts families, at the smallest settings that run every stage:
-MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused in memory and stored one by one, a shared
-expert: calibration over the experts and routers, K = 2 branches, merges, lmms-eval through this
-project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE (fused experts on disk too, merged
-expert by expert). The dense families' stages are tests/test_families.py's (built, one training step,
-merges): a whole flow per family costs the suite about two minutes each."""
+"""The demo's flows at the smallest settings that run every stage, on the families whose stages differ
+most from Qwen2.5-VL's: MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused in memory and
+stored one by one, a shared expert: calibration over the experts and routers, K = 2 branches, merges,
+lmms-eval through this project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE (fused experts on
+disk too, merged expert by expert), MERIT on a tiny InternVL3.5 (image tiles, no 3-D rope, lmms-eval
+through ``merit_internvl``). The dense Qwen3 families' stages are tests/test_families.py's (built, one
+training step, merges): a whole flow per family costs the suite one to two minutes each."""
 
 from __future__ import annotations
 
@@ -89,3 +90,21 @@ def test_diloco_on_a_tiny_qwen3_vl_moe_keeps_every_tensor(prefect_api, tmp_path)
     same_tensors(final, theta0)
     assert json.loads((final / "round.json").read_text())["tensors"] == len(theta0.info)
     assert AutoModelForImageTextToText.from_pretrained(final).config.model_type == "qwen3_vl_moe"
+
+
+def test_merit_on_a_tiny_internvl_runs_every_stage_and_lmms_eval_scores_it(prefect_api, tmp_path):
+    run_dir = tmp_path / "run"
+    settings = [*SMALL, "model.name_or_path=tiny:internvl", "calibration.n_per_source=4", "train.steps=2"]
+    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    theta0 = CheckpointReader(run_dir / "init")
+    assert any(n.startswith("vision_tower.") for n in theta0.info)  # the hub's layout, as transformers saves it
+    for folder in (run_dir / "merged").iterdir():
+        same_tensors(folder, theta0)
+        assert AutoModelForImageTextToText.from_pretrained(folder).config.model_type == "internvl"
+    trained = CheckpointReader(run_dir / "branches" / "0" / "final")
+    projector = "multi_modal_projector.linear_1.weight"  # the image tiles reached the projector
+    assert not torch.equal(trained.get(projector), theta0.get(projector))
+    job = run_dir / "eval" / "benchmarks" / "merged-token_average" / "toy_perception"
+    score = json.loads((job / "score.json").read_text())
+    assert score["identity"]["model"] == "merit_internvl" and score["score"] is not None, score

@@ -2,13 +2,15 @@
 
 Labels follow Qwen's own fine-tuning code: only assistant turns are learned, from the token
 after ``<|im_start|>assistant\\n`` through ``<|im_end|>`` and the newline after it; every other
-position is -100 (system prompt, user turns, image tokens, padding).
+position is -100 (system prompt, user turns, image tokens, padding). Every supported family speaks
+this ChatML format; they differ in how an image becomes tokens and pixel rows (:class:`ImageTokens`).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -23,9 +25,9 @@ IGNORE_INDEX = -100
 class Encoded:
     input_ids: torch.Tensor  # (T,)
     labels: torch.Tensor  # (T,), IGNORE_INDEX outside assistant answers
-    mm_token_type_ids: torch.Tensor  # (T,), 1 on image tokens: drives Qwen's 3-D rope index
-    pixel_values: torch.Tensor | None  # (patches, C·t·p·p) for all images, in order
-    image_grid_thw: torch.Tensor | None  # (images, 3)
+    mm_token_type_ids: torch.Tensor | None  # (T,), 1 on image tokens: drives Qwen's 3-D rope index
+    pixel_values: torch.Tensor | None  # (rows, …) for all images, in order: patches (Qwen), tiles (InternVL)
+    image_grid_thw: torch.Tensor | None  # (images, 3), Qwen only
     truncated: bool
 
     @property
@@ -37,9 +39,36 @@ class Encoded:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+@dataclass(frozen=True)
+class ImageTokens:
+    """How a family's processor lays an image out: a run of ``token`` between ``start`` and ``end``
+    in the text, and ``rows_per_token`` rows of ``pixel_values`` per ``token``."""
+
+    token: int
+    start: int
+    end: int
+    rows_per_token: Fraction  # Qwen: merge² patches per token; InternVL: one tile per image_seq_length tokens
+    patch_size: int | None  # Qwen: images resized to multiples of it first; None: the processor tiles them
+    grids: bool  # Qwen: the model takes image_grid_thw and mm_token_type_ids
+
+    def rows(self, input_ids: torch.Tensor) -> int:
+        """Rows of ``pixel_values`` the images of a token sequence take."""
+        return int(int((input_ids == self.token).sum()) * self.rows_per_token)
+
+
+def image_tokens(processor: Any) -> ImageTokens:
+    images, ids = processor.image_processor, processor.tokenizer.convert_tokens_to_ids
+    if hasattr(images, "merge_size"):  # Qwen-VL: patches, merge_size² of them per token
+        start, end, per_token = ids("<|vision_start|>"), ids("<|vision_end|>"), Fraction(images.merge_size**2)
+        return ImageTokens(processor.image_token_id, start, end, per_token, images.patch_size, True)
+    # InternVL: tiles of image_seq_length tokens each
+    start, end = processor.start_image_token_id, processor.end_image_token_id
+    return ImageTokens(processor.image_token_id, start, end, Fraction(1, processor.image_seq_length), None, False)
+
+
 class Encoder:
-    """Encodes :class:`Example` with a Qwen-VL processor (``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``;
-    picklable for DataLoader workers).
+    """Encodes :class:`Example` with a family's processor (``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``,
+    ``InternVLProcessor``; picklable for DataLoader workers).
 
     Two paths give identical results. The full path renders the chat template and runs the
     processor (tokenizer + image processor). The cached path, for examples that carry the
@@ -53,15 +82,17 @@ class Encoder:
         tok = processor.tokenizer
         ids = tok.convert_tokens_to_ids
         self.im_start, self.im_end = ids("<|im_start|>"), ids("<|im_end|>")
-        self.vision_start, self.vision_end = ids("<|vision_start|>"), ids("<|vision_end|>")
-        self.image_token = ids("<|image_pad|>")
-        self.merge_area = processor.image_processor.merge_size**2
-        self.patch_size = processor.image_processor.patch_size  # 14 for Qwen2.5-VL, 16 for Qwen3-VL
+        self.vision = image_tokens(processor)
         self.role = tok.encode("assistant", add_special_tokens=False)
         (self.newline,) = tok.encode("\n", add_special_tokens=False)
         self._starts_line: dict[int, bool] = {}
         size = processor.image_processor.size
-        self.pixel_bounds = {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]}
+        self.pixel_bounds = (
+            {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]} if self.vision.grids else {}
+        )
+        # The processor's own defaults for images (InternVL: crop_to_patches), for the cached path's
+        # direct call of the image processor.
+        self.image_kwargs = getattr(type(processor), "images_kwargs", None) or {}
 
     def __call__(self, example: Example) -> Encoded:
         return self.encode_batch([example])[0]
@@ -98,22 +129,31 @@ class Encoder:
         return texts, [self.images(m) for m in messages]
 
     def images(self, messages: list[dict[str, Any]]) -> list[Any]:
-        """The messages' images resized as the processor's patches want them."""
-        return process_vision_info(messages, image_patch_size=self.patch_size)[0] or []
+        """The messages' images: resized as the processor's patches want them (Qwen), or as they are
+        for a processor that tiles them itself (InternVL)."""
+        if self.vision.patch_size is not None:
+            return process_vision_info(messages, image_patch_size=self.vision.patch_size)[0] or []
+        return [c["image"].convert("RGB") for m in messages for c in m["content"] if c["type"] == "image"]
 
     def _encode_cached(self, examples: list[Example]) -> list[Encoded]:
         rows = [ex.token_ids.long() for ex in examples]
-        # Truncation drops whole images, so the images kept are the first <|vision_start|> many.
-        kept = [int((ids == self.vision_start).sum()) for ids in rows]
+        # Truncation drops whole images, so the images kept are the first as many as open in the text.
+        kept = [int((ids == self.vision.start).sum()) for ids in rows]
         images = [self.images(self._with_images(ex))[:k] for ex, k in zip(examples, kept)]
         flat = list(itertools.chain(*images))
-        vision = self.processor.image_processor(flat, return_tensors="pt") if flat else {}
-        out = self._assemble(rows, kept, vision.get("pixel_values"), vision.get("image_grid_thw"))
-        for ex, enc in zip(examples, out):
-            patches = 0 if enc.image_grid_thw is None else int(enc.image_grid_thw.prod(-1).sum())
-            if int((enc.input_ids == self.image_token).sum()) * self.merge_area != patches:
+        vision = self.processor.image_processor(flat, return_tensors="pt", **self.image_kwargs) if flat else {}
+        image_rows = iter(self._rows_per_image(vision))
+        for ex, ids, k in zip(examples, rows, kept):
+            if sum(itertools.islice(image_rows, k)) != self.vision.rows(ids):
                 raise ex.error("cached token ids do not match the images; re-run `merit prepare --force`")
-        return out
+        return self._assemble(rows, kept, vision.get("pixel_values"), vision.get("image_grid_thw"))
+
+    @staticmethod
+    def _rows_per_image(vision: dict[str, Any]) -> list[int]:
+        """Rows of ``pixel_values`` per image, as the image processor returned them."""
+        if "image_grid_thw" in vision:
+            return vision["image_grid_thw"].prod(-1).tolist()
+        return [int(n) for n in vision.get("num_patches", [])]
 
     def _assemble(
         self,
@@ -123,21 +163,20 @@ class Encoder:
         grids: torch.Tensor | None,
     ) -> list[Encoded]:
         """Per-example :class:`Encoded` from token rows and the batch's concatenated images."""
-        patches = grids.prod(-1).tolist() if grids is not None else []
-        out, first_image, first_patch = [], 0, 0
+        out, first_image, first_row = [], 0, 0
         for input_ids, n in zip(rows, n_images):
-            n_patches = sum(patches[first_image : first_image + n])
+            n_rows = self.vision.rows(input_ids)
             out.append(
                 Encoded(
                     input_ids=input_ids,
                     labels=self.assistant_labels(input_ids),
-                    mm_token_type_ids=(input_ids == self.image_token).long(),
-                    pixel_values=pixel_values[first_patch : first_patch + n_patches] if n else None,
-                    image_grid_thw=grids[first_image : first_image + n] if n else None,
+                    mm_token_type_ids=(input_ids == self.vision.token).long() if self.vision.grids else None,
+                    pixel_values=pixel_values[first_row : first_row + n_rows] if n else None,
+                    image_grid_thw=grids[first_image : first_image + n] if n and grids is not None else None,
                     truncated=False,
                 )
             )
-            first_image, first_patch = first_image + n, first_patch + n_patches
+            first_image, first_row = first_image + n, first_row + n_rows
         return out
 
     def _with_images(self, example: Example) -> list[dict[str, Any]]:
@@ -185,8 +224,8 @@ class Encoder:
         tokens would be cut is dropped whole, with its pixel rows, so the model never sees a
         number of image tokens that differs from its image features."""
         cut = self.max_length
-        starts = (enc.input_ids == self.vision_start).nonzero().flatten().tolist()
-        ends = (enc.input_ids == self.vision_end).nonzero().flatten().tolist()
+        starts = (enc.input_ids == self.vision.start).nonzero().flatten().tolist()
+        ends = (enc.input_ids == self.vision.end).nonzero().flatten().tolist()
         kept_images = 0
         for s, e in zip(starts, ends):
             if e < cut:
@@ -195,15 +234,13 @@ class Encoder:
                 cut = min(cut, s)
                 break
         pixel_values, grid = enc.pixel_values, enc.image_grid_thw
-        if grid is not None:
-            grid = grid[:kept_images]
-            pixel_values = pixel_values[: int(grid.prod(-1).sum())]
-            if kept_images == 0:
-                pixel_values = grid = None
+        if pixel_values is not None:
+            pixel_values = pixel_values[: self.vision.rows(enc.input_ids[:cut])] if kept_images else None
+            grid = grid[:kept_images] if grid is not None and kept_images else None
         return Encoded(
             input_ids=enc.input_ids[:cut],
             labels=enc.labels[:cut],
-            mm_token_type_ids=enc.mm_token_type_ids[:cut],
+            mm_token_type_ids=enc.mm_token_type_ids[:cut] if enc.mm_token_type_ids is not None else None,
             pixel_values=pixel_values,
             image_grid_thw=grid,
             truncated=True,
@@ -230,15 +267,17 @@ class Collator:
         batch = {
             "input_ids": pad("input_ids", self.pad_token_id),
             "labels": pad("labels", IGNORE_INDEX),
-            "mm_token_type_ids": pad("mm_token_type_ids", 0),
             "attention_mask": torch.zeros(len(items), length, dtype=torch.long),
         }
+        if items[0].mm_token_type_ids is not None:
+            batch["mm_token_type_ids"] = pad("mm_token_type_ids", 0)
         for row, item in enumerate(items):
             batch["attention_mask"][row, : item.num_tokens] = 1
-        with_images = [item for item in items if item.image_grid_thw is not None]
+        with_images = [item for item in items if item.pixel_values is not None]
         if with_images:
             batch["pixel_values"] = torch.cat([item.pixel_values for item in with_images])
-            batch["image_grid_thw"] = torch.cat([item.image_grid_thw for item in with_images])
+            if with_images[0].image_grid_thw is not None:
+                batch["image_grid_thw"] = torch.cat([item.image_grid_thw for item in with_images])
         return batch
 
 

@@ -43,7 +43,7 @@ from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_
 from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
 from pipeline.layout import EVAL
 from pipeline.models.adapter import adapter_base, is_adapter
-from pipeline.models.families import family_of_config
+from pipeline.models.families import Family, family_of_config
 from pipeline.tensorboard import log_benchmarks
 from pipeline.threads import SMALL_MODEL, available_cpus, threads_per_process
 
@@ -62,11 +62,10 @@ LMMS_RUN = "pipeline.eval.lmms_run"
 LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "pipeline.eval.lmms_adapted", "nltk"]
 
 
-def lmms_model(checkpoint: str, adapter: bool) -> str:
-    """lmms-eval's model for a checkpoint, as its family declares it (``pipeline.models.families``)."""
+def checkpoint_family(checkpoint: str, adapter: bool) -> Family:
+    """The family of a checkpoint (of its θ0 for an adapter), which names its lmms-eval model."""
     base = adapter_base(checkpoint) if adapter else checkpoint
-    family = family_of_config(json.loads((Path(base) / "config.json").read_text()), str(base))
-    return family.lmms_adapted if adapter else family.lmms_model
+    return family_of_config(json.loads((Path(base) / "config.json").read_text()), str(base))
 
 
 def benchmark_tasks(cfg: RunConfig) -> list[str]:
@@ -198,15 +197,13 @@ def model_args(cfg: RunConfig, checkpoint: str, device: str) -> tuple[str, dict[
         return CONSTANT_MODEL, {"answers": checkpoint}
     m = cfg.model
     adapter = {"pretrained": adapter_base(checkpoint), "adapter": checkpoint} if is_adapter(checkpoint) else None
-    args = {
-        **(adapter or {"pretrained": checkpoint}),
-        "min_pixels": m.min_pixels,
-        "max_pixels": m.max_pixels,
-        "device_map": device,
-        "attn_implementation": m.attn_implementation,
-    }
-    model = lmms_model(checkpoint, adapter is not None)
-    if model == "merit_qwen3_vl":
+    family = checkpoint_family(checkpoint, adapter is not None)
+    model = family.lmms_adapted if adapter else family.lmms_model
+    args = adapter or {"pretrained": checkpoint}
+    if family.pixel_bounds:  # a tiling family's (InternVL) tiles are its processor config's
+        args |= {"min_pixels": m.min_pixels, "max_pixels": m.max_pixels}
+    args |= {"device_map": device, "attn_implementation": m.attn_implementation}
+    if model in ("merit_qwen3_vl", "merit_internvl"):
         args["dtype"] = m.dtype
     if any("," in str(v) or "=" in str(v) for v in args.values()):
         raise ValueError(f"lmms-eval's model_args cannot hold ',' or '=': {args}")
@@ -275,6 +272,11 @@ def run_benchmark(
     return record
 
 
+# lmms-eval models that take one request at a time (internvl_hf asserts it): eval.benchmark_batch_size
+# is capped for them rather than refused, since a run mixing families shares one setting.
+ONE_AT_A_TIME = {"merit_internvl"}
+
+
 def lmms_arguments(
     cfg: RunConfig, model: str, args: dict[str, Any], plan: TaskPlan, device: str, out: Path
 ) -> list[str]:
@@ -282,7 +284,8 @@ def lmms_arguments(
     e = cfg.eval
     argv = ["--model", model, "--model_args", ",".join(f"{k}={v}" for k, v in args.items()), "--tasks", plan.name]
     argv += [f"--include_path={folder}" for folder in plan.folders]
-    argv += ["--batch_size", str(e.benchmark_batch_size), "--device", device]
+    batch_size = 1 if model in ONE_AT_A_TIME else e.benchmark_batch_size
+    argv += ["--batch_size", str(batch_size), "--device", device]
     argv += ["--limit", str(e.benchmark_limit)] if e.benchmark_limit else []
     argv += ["--gen_kwargs", gen_kwargs(cfg)] if e.benchmark_gen_kwargs else []
     return [*argv, "--seed", str(cfg.run.seed), "--output_path", str(out), "--log_samples"]

@@ -1,6 +1,6 @@
 """This project's models for lmms-eval, registered through lmms-eval's entry-point group
 ``lmms_eval.models`` (pyproject.toml), so ``python -m lmms_eval --model merit_qwen2_5_vl`` (or
-``merit_qwen3_vl``) works too, and ``--model merit_constant`` (the toy tasks' constant baselines).
+``merit_qwen3_vl``, ``merit_internvl``) works too, and ``--model merit_constant`` (the toy tasks' constant baselines).
 Only the manifests live here: lmms-eval reads them while it builds its model registry, and a model class
 (``pipeline.eval.lmms_adapted``, ``pipeline.eval.constant_model``) is imported when a run asks for it."""
 
@@ -10,6 +10,7 @@ from pipeline.data.benchmark import CONSTANT_MODEL
 
 MANIFEST = ModelManifest(model_id="merit_qwen2_5_vl", chat_class_path="pipeline.eval.lmms_adapted.AdaptedQwen2_5_VL")
 QWEN3_MANIFEST = ModelManifest(model_id="merit_qwen3_vl", chat_class_path="pipeline.eval.lmms_adapted.MeritQwen3_VL")
+INTERNVL_MANIFEST = ModelManifest(model_id="merit_internvl", chat_class_path="pipeline.eval.lmms_adapted.MeritInternVL")
 CONSTANT_MANIFEST = ModelManifest(
     model_id=CONSTANT_MODEL, simple_class_path="pipeline.eval.constant_model.ConstantAnswers"
 )

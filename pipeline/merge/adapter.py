@@ -34,7 +34,8 @@ cannot be converted).
 
 The adapter names modules as the model's Python modules (``model.language_model.layers.0…``); Qwen2-VL /
 Qwen2.5-VL checkpoints, on the hub and as transformers saves them, name the same tensors ``model.layers.0…``
-and ``visual.…``: both spellings are matched against θ0's names. (PEFT 0.21 itself does not map an adapter saved
+and ``visual.…``, InternVL's ``language_model.model.layers.0…``: every spelling a model family declares
+(``pipeline.models.families``) is matched against θ0's names. (PEFT 0.21 itself does not map an adapter saved
 in the transformers-4 layout and merges nothing of it; ``pipeline.models.adapter`` passes it the mapping.)
 """
 
@@ -50,12 +51,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pipeline.merge.io import DTYPES, CheckpointReader, MergeInputError, TensorInfo
+from pipeline.models.families import checkpoint_prefixes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-# module prefix -> checkpoint prefix (Qwen2-VL / Qwen2.5-VL's layout on disk)
-CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "model.language_model.embed_tokens.weight"  # as the module spells it
 PEFT_DEFAULT_RANK = PEFT_DEFAULT_ALPHA = 8  # LoraConfig's r and lora_alpha when adapter_config.json omits them
@@ -97,7 +97,7 @@ def checkpoint_name(module_tensor: str, names: dict[str, TensorInfo]) -> str | N
     """θ0's name of a module's tensor: as spelled, or in the checkpoint's layout."""
     if module_tensor in names:
         return module_tensor
-    for module, stored in CHECKPOINT_PREFIXES:
+    for module, stored in checkpoint_prefixes():
         if module_tensor.startswith(module) and (name := stored + module_tensor[len(module) :]) in names:
             return name
     return None

@@ -12,6 +12,7 @@ from pipeline.merge.adapter import ADAPTER_CONFIG, AdapterError, read_adapter_co
 # An adapter saved under transformers 4 names Qwen2-VL / Qwen2.5-VL's modules as the checkpoint does
 # (``model.layers…``, ``visual.…``); PEFT 0.21 does not map them to transformers 5's modules and merges nothing.
 KEY_MAPPING = {r"^model\.(?!language_model\.|visual\.)": "model.language_model.", r"^visual\.": "model.visual."}
+LEGACY_LAYOUT = {"qwen2_vl", "qwen2_5_vl"}  # the model types whose adapters may be in that layout
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -37,10 +38,5 @@ def merge_adapter(model: Any, path: str | Path) -> Any:
     from peft import PeftModel
 
     read_adapter_config(path)
-    mapping = KEY_MAPPING if _has_module(model, "model.language_model.") else None
+    mapping = KEY_MAPPING if model.config.model_type in LEGACY_LAYOUT else None
     return PeftModel.from_pretrained(model, str(path), key_mapping=mapping).merge_and_unload()
-
-
-def _has_module(model: Any, prefix: str) -> bool:
-    """Whether the model's modules are named in transformers 5's Qwen2-VL layout (``model.language_model.``)."""
-    return any(name.startswith(prefix) for name, _ in model.named_modules())

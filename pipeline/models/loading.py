@@ -1,4 +1,4 @@
-"""Load any Qwen2.5-VL checkpoint (hub id or local folder) the same way, and freeze parts of it."""
+"""Load a checkpoint of any supported family (hub id or local folder) the same way, and freeze parts of it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import MANIFEST, verify_checkpoint
 from pipeline.config import FreezeSection, ModelSection
@@ -20,11 +20,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
-    return AutoProcessor.from_pretrained(
-        str(name_or_path),
-        size=pixel_bounds(model_cfg),
-        trust_remote_code=model_cfg.trust_remote_code,
-    )
+    """The checkpoint's processor; a Qwen family's images sized within ``model.min_pixels`` and
+    ``max_pixels``, a tiling family's (InternVL) as its own processor config says."""
+    remote = model_cfg.trust_remote_code
+    model = adapter_base(name_or_path) if is_adapter(name_or_path) else name_or_path  # an adapter: its θ0's
+    model_type = AutoConfig.from_pretrained(str(model), trust_remote_code=remote).model_type
+    size = {"size": pixel_bounds(model_cfg)} if get_family(model_type, str(name_or_path)).pixel_bounds else {}
+    return AutoProcessor.from_pretrained(str(name_or_path), trust_remote_code=remote, **size)
 
 
 def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:

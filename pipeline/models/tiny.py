@@ -34,7 +34,10 @@ SPECIAL_TOKENS = (
 TEMPLATE_TEXT = "system\nYou are a helpful assistant.\nuser\nassistant\n"
 
 
-def train_tokenizer(vocab_size: int, seed: int) -> Qwen2Tokenizer:
+def train_tokenizer(vocab_size: int, seed: int, named_tokens: dict[str, str] | None = None) -> Qwen2Tokenizer:
+    """A BPE tokenizer of ``vocab_size`` learnt on the corpus; ``named_tokens`` are a family's own
+    special tokens by the attribute its processor reads (InternVL: ``context_image_token``, …)."""
+    named_tokens = named_tokens or {}
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -57,14 +60,15 @@ def train_tokenizer(vocab_size: int, seed: int) -> Qwen2Tokenizer:
         merges=[tuple(m) for m in trained["merges"]],
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        **named_tokens,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS[1:], *named_tokens.values()]})
     return tokenizer
 
 
 def build_tiny_processor(model_cfg: ModelSection, seed: int) -> Any:
     family = tiny_family(model_cfg.name_or_path)
-    tokenizer = train_tokenizer(model_cfg.tiny.vocab_size, seed)
+    tokenizer = train_tokenizer(model_cfg.tiny.vocab_size, seed, family.special_tokens)
     return family.tiny_processor(model_cfg, tokenizer, family.template())
 
 

@@ -59,7 +59,7 @@ class StepBatches(torch.utils.data.Dataset):
             encoded = self.data.encoder.encode_batch(examples)
             tokens += sum(e.num_tokens for e in encoded)
             supervised.append(sum(e.num_supervised for e in encoded))
-            if self.filler is not None and all(e.image_grid_thw is None for e in encoded):
+            if self.filler is not None and all(e.pixel_values is None for e in encoded):
                 encoded.append(self.filler)
             batch = self.data.collator(encoded)
             if "pixel_values" in batch:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 TINY = "tiny"  # model.name_or_path of the offline Qwen2.5-VL; "tiny:<model_type>" for another family
-MODULES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # the family modules, imported on first use
+MODULES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")  # the family modules, imported on first use
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class Family:
     tiny_config: Callable[[Any, Callable[[str], int]], Any]
     tiny_processor: Callable[[Any, Any, str], Any]
     chat_template: str  # a .jinja file beside this module: the tiny processor's template
+    # Whether ``model.min_pixels`` / ``max_pixels`` size the images (Qwen); else the processor's own
+    # config does (InternVL: tiles, ``min_patches`` … ``max_patches`` of them).
+    pixel_bounds: bool = True
+    # The tiny tokenizer's special tokens beyond Qwen's, by the tokenizer attribute that names them.
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    # Module prefix -> on-disk prefix, where checkpoints store tensors under other names than the
+    # modules' (transformers saves Qwen2.5-VL's ``model.language_model.`` as ``model.``).
+    stored_as: tuple[tuple[str, str], ...] = ()
     # Fused expert tensors (experts, out, in) on disk: a per-matrix method merges each expert alone.
     stacked_experts: tuple[str, ...] = ()
 
@@ -120,6 +128,13 @@ def tiny_family(name_or_path: str) -> Family:
     """``tiny`` is Qwen2.5-VL (the paper's model); ``tiny:<model_type>`` that family."""
     model_type = name_or_path.partition(":")[2] or "qwen2_5_vl"
     return get_family(model_type, f"model.name_or_path {name_or_path}")
+
+
+def checkpoint_prefixes() -> tuple[tuple[str, str], ...]:
+    """Every family's (module prefix, on-disk prefix) pairs: a module's tensor is looked up under each
+    spelling, and only one exists in a given checkpoint."""
+    _load()
+    return tuple(dict.fromkeys(pair for family in FAMILIES.values() for pair in family.stored_as))
 
 
 def group_patterns() -> dict[str, tuple[str, ...]]:

@@ -71,6 +71,7 @@ QWEN2_5_VL = register(
             "merger": ("visual.merger.*",),
             "language_blocks": ("model.layers.*", "model.norm.*"),
         },
+        stored_as=(("model.language_model.", "model."), ("model.visual.", "visual.")),
         lmms_model="qwen2_5_vl",
         lmms_adapted="merit_qwen2_5_vl",
         tiny_config=tiny_config,
