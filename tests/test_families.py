@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from conftest import BRANCH_SOURCES, branch_spec, small_config
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -20,6 +20,7 @@ from pipeline.merge.io import TensorInfo, check_complete
 from pipeline.models import init_model, load_model, parameter_groups
 from pipeline.models.families import UnsupportedModelError, get_family, supported
 from pipeline.models.loading import DTYPES
+from pipeline.train import train_branch
 
 ROOT = Path(__file__).parent.parent
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl"]
@@ -241,32 +242,66 @@ def test_full_weight_diloco_on_qwen3_5_moe_is_refused_before_it_starts():
     assert "workers" in preflight._diloco(small_config("model.name_or_path=tiny:qwen3_vl_moe"), ".")
 
 
-def test_a_hub_theta0_with_experts_stored_in_out_merges_with_branches_saved_out_in(tmp_path_factory, tmp_path):
-    """Qwen3-VL-MoE on the hub stores each expert (in, out); transformers 5 loads it transposed and
-    saves (out, in): θ0 and its branches hold the experts in two layouts, merged in the branches'."""
+def hub_layout(built: str, hub: Path) -> Path:
+    """A copy of θ0 with its fused experts stored (experts, in, out), as Qwen3-VL-MoE is on the hub."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24")
-    built = init_model(cfg, tmp_path_factory.mktemp("moe-hub"))["path"]
-    paths = branches(built, tmp_path)  # saved by transformers: (experts, out, in)
-    hub = tmp_path / "hub"
     shutil.copytree(built, hub, ignore=shutil.ignore_patterns("manifest.json", ".*"))
     state = load_file(hub / "model.safetensors")
-    fused = "model.language_model.layers.0.mlp.experts.down_proj"
     save_file(
         {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in state.items()},
         hub / "model.safetensors",
         metadata={"format": "pt"},
     )
-    assert CheckpointReader(hub).info[fused].shape == (4, 24, 64)  # (experts, in, out) as on the hub
+    return hub
+
+
+FUSED = "model.language_model.layers.0.mlp.experts.down_proj"
+
+
+def test_a_hub_theta0_with_experts_stored_in_out_merges_with_branches_saved_out_in(tmp_path_factory, tmp_path):
+    """Qwen3-VL-MoE on the hub stores each expert (in, out); transformers 5 loads it transposed and
+    saves (out, in): θ0 and its branches hold the experts in two layouts, merged in the branches'."""
+    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24")
+    built = init_model(cfg, tmp_path_factory.mktemp("moe-hub"))["path"]
+    paths = branches(built, tmp_path)  # saved by transformers: (experts, out, in)
+    hub = hub_layout(built, tmp_path / "hub")
+    assert CheckpointReader(hub).info[FUSED].shape == (4, 24, 64)  # (experts, in, out) as on the hub
     for method in ("weighted_average", "iso_c"):
         merged = merge(str(hub), paths, str(tmp_path / method), method)
-        assert merged.info[fused].shape == (4, 64, 24)
+        assert merged.info[FUSED].shape == (4, 64, 24)
         assert AutoModelForImageTextToText.from_pretrained(tmp_path / method).config.model_type == "qwen3_vl_moe"
     inputs = [CheckpointReader(p) for p in paths]
-    average = 0.25 * inputs[0].get(fused) + 0.75 * inputs[1].get(fused)
-    assert torch.allclose(CheckpointReader(tmp_path / "weighted_average").get(fused), average, rtol=0, atol=1e-6)
-    delta = CheckpointReader(tmp_path / "iso_c").get(fused) - CheckpointReader(built).get(fused)
+    average = 0.25 * inputs[0].get(FUSED) + 0.75 * inputs[1].get(FUSED)
+    assert torch.allclose(CheckpointReader(tmp_path / "weighted_average").get(FUSED), average, rtol=0, atol=1e-6)
+    delta = CheckpointReader(tmp_path / "iso_c").get(FUSED) - CheckpointReader(built).get(FUSED)
     assert delta.abs().max() < 0.1  # θ0 read in the branches' layout: the update is a small ΔW
+
+
+@pytest.mark.parametrize("layout", ["saved", "hub"])
+def test_a_zero3_branch_of_a_moe_starts_from_theta0_in_either_expert_layout(tmp_path, layout):
+    """Under ZeRO-3 transformers compared each expert tensor with a partition of shape (0,) and transposed
+    every one, so a θ0 transformers saved failed to load; both layouts now load as the ordinary path does."""
+    from merit.cli import main as merit
+
+    run = tmp_path / "run"
+    settings = ["model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24"]
+    settings += ["data.builtin.examples_per_source=8", "warmup.steps=0"]
+    assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *sets(settings)]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    built = str(run / "init")
+    init = str(hub_layout(built, tmp_path / "hub")) if layout == "hub" else built
+    zero3 = [f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json", "train.processes=2", "train.steps=2"]
+    branch = branch_spec(run, tmp_path / "branch", *zero3, "train.checkpoint_every=2", sources=BRANCH_SOURCES[:2])
+    result = train_branch(branch.model_copy(update={"init": init}), echo=False)
+    assert result.steps == 2
+    trained, theta0 = CheckpointReader(tmp_path / "branch" / "final"), CheckpointReader(built)
+    assert trained.info[FUSED].shape == theta0.info[FUSED].shape == (4, 64, 24)
+    delta = trained.get(FUSED) - theta0.get(FUSED)  # θ0's values, trained a little: loaded right
+    assert 0 < delta.abs().max() < 0.1
+
+
+def sets(settings: list[str]) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]

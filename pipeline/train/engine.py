@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from transformers.core_model_loading import Transpose
 from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import TrainSection
@@ -27,6 +30,31 @@ from pipeline.models.loading import checkpoint_dtype
 from pipeline.models.loss import SupervisedLoss
 from pipeline.train.lora import apply_lora, lora_summary
 from pipeline.train.spec import BranchSpec
+
+
+@contextmanager
+def experts_transposed_by_full_shape() -> Iterator[None]:
+    """transformers 5.24 transposes a fused expert tensor (Qwen3-VL-MoE) when its shape differs from the
+    model's parameter: the hub stores experts (in, out), transformers' modules and ``save_pretrained``
+    (out, in). Under ZeRO-3 the parameter is a partition of shape (0,), so every expert tensor looked
+    transposed and a θ0 transformers saved failed to load ("size mismatch for mlp.experts.down_proj").
+    Here the comparison uses the parameter's full shape (DeepSpeed's ``ds_shape``), as without ZeRO-3."""
+    convert = Transpose.convert
+
+    def by_full_shape(self, input_dict, source_patterns, target_patterns, **kwargs):
+        if self.check_dims:
+            param = kwargs["model"].get_parameter(kwargs["full_layer_name"])
+            tensor = next(iter(input_dict.values()))
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            if tensor.shape == getattr(param, "ds_shape", param.shape):
+                return {self.get_target_pattern(input_dict, source_patterns, target_patterns): tensor}
+        return convert(self, input_dict, source_patterns, target_patterns, **kwargs)
+
+    Transpose.convert = by_full_shape
+    try:
+        yield
+    finally:
+        Transpose.convert = convert
 
 
 @dataclass
@@ -98,7 +126,11 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
     cfg = spec.config
     config = deepspeed_config(spec.train, world, checkpoint_dtype(cfg.model, spec.init))
     zero3 = HfDeepSpeedConfig(config) if config.get("zero_optimization", {}).get("stage") == 3 else None
-    model = load_model(spec.init, cfg.model)
+    if zero3 is not None:
+        with experts_transposed_by_full_shape():
+            model = load_model(spec.init, cfg.model)
+    else:
+        model = load_model(spec.init, cfg.model)
     if zero3 is not None:
         # transformers' ZeRO-3 loader keeps every key conversion of the model's mapping, used or
         # not, and an unused prefix change then renames the saved keys (model.model.*): saving
