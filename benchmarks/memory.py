@@ -147,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     device = args.device
     sizes = [*width_overrides(args.size), f"model.dtype={args.dtype}", "data.builtin.examples_per_source=16"]
-    args.overrides = [*args.overrides, *sizes]
+    args.overrides = [*sizes, *args.overrides]  # a --set refines the --size (e.g. fewer layers)
     cfg, run_dir = resolve_run(args)
     init = str(run_dir / INIT)
     if not (run_dir / INIT / "model.safetensors").is_file():
