@@ -305,3 +305,18 @@ def test_a_zero3_branch_of_a_moe_starts_from_theta0_in_either_expert_layout(tmp_
 
 def sets(settings: list[str]) -> list[str]:
     return [a for s in settings for a in ("--set", s)]
+
+
+def test_a_generation_that_raises_passes_through_internvl_hfs_except_exception():
+    """lmms-eval's internvl_hf answers "" when generate raises (then scored as a wrong answer): the
+    project's class raises what its ``except Exception`` does not catch, so the job fails instead."""
+    from pipeline.eval.lmms_adapted import GenerationFailed, failing_loudly
+
+    def out_of_memory(**kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(GenerationFailed, match="CUDA out of memory"):
+        try:
+            failing_loudly(out_of_memory)(max_new_tokens=8)
+        except Exception:  # what internvl_hf's generate_until does
+            pytest.fail("caught as an ordinary exception: the job would score an empty answer")
