@@ -243,3 +243,19 @@ def stop_process_group(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def hub_layout(built: str, hub: Path) -> Path:
+    """A copy of θ0 with its fused experts stored (experts, in, out), as Qwen3-VL-MoE is on the hub."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(built, hub, ignore=shutil.ignore_patterns("manifest.json", ".*"))
+    state = load_file(hub / "model.safetensors")
+    save_file(
+        {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in state.items()},
+        hub / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    return hub

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BRANCH_SOURCES, branch_spec, small_config
+from conftest import BRANCH_SOURCES, branch_spec, hub_layout, small_config
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -240,22 +240,6 @@ def test_full_weight_diloco_on_qwen3_5_moe_is_refused_before_it_starts():
     with pytest.raises(ValueError, match="experts fused in memory, stored one by one.*lora"):
         preflight._diloco(cfg, ".")
     assert "workers" in preflight._diloco(small_config("model.name_or_path=tiny:qwen3_vl_moe"), ".")
-
-
-def hub_layout(built: str, hub: Path) -> Path:
-    """A copy of θ0 with its fused experts stored (experts, in, out), as Qwen3-VL-MoE is on the hub."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(built, hub, ignore=shutil.ignore_patterns("manifest.json", ".*"))
-    state = load_file(hub / "model.safetensors")
-    save_file(
-        {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in state.items()},
-        hub / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    return hub
 
 
 FUSED = "model.language_model.layers.0.mlp.experts.down_proj"

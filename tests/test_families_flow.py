@@ -1,10 +1,11 @@
 """The demo's flows at the smallest settings that run every stage, on the families whose stages differ
 most from Qwen2.5-VL's: MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused in memory and
 stored one by one, a shared expert: calibration over the experts and routers, K = 2 branches, merges,
-lmms-eval through this project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE (fused experts on
-disk too, merged expert by expert), MERIT on a tiny InternVL3.5 (image tiles, no 3-D rope, lmms-eval
-through ``merit_internvl``). The dense Qwen3 families' stages are tests/test_families.py's (built, one
-training step, merges): a whole flow per family costs the suite one to two minutes each."""
+lmms-eval through this project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE stored as the
+hub's (fused experts, each expert (in, out) on disk, merged expert by expert), MERIT on a tiny
+InternVL3.5 (image tiles, no 3-D rope, lmms-eval through ``merit_internvl``). The dense Qwen3
+families' stages are tests/test_families.py's (built, one training step, merges): a whole flow per
+family costs the suite one to two minutes each."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import json
 from pathlib import Path
 
 import torch
+from conftest import hub_layout, small_config
 from transformers import AutoModelForImageTextToText
 
 from flows.diloco import diloco
 from flows.merit import merit
 from pipeline.merge import CheckpointReader, MergeSpec
+from pipeline.models import init_model
 
 ROOT = Path(__file__).parent.parent
 DEMO = str(ROOT / "configs/demo.yaml")
@@ -73,11 +76,15 @@ def test_merit_on_a_tiny_qwen3_5_moe_runs_every_stage(prefect_api, tmp_path):
     assert score["identity"]["model"] == "merit_qwen3_vl" and score["score"] is not None, score
 
 
-def test_diloco_on_a_tiny_qwen3_vl_moe_keeps_every_tensor(prefect_api, tmp_path):
+def test_diloco_from_a_hub_shaped_qwen3_vl_moe_keeps_every_tensor(prefect_api, tmp_path):
+    """θ0 a folder with its experts stored (in, out), as the hub's Qwen3-VL-MoE: the workers' Δ and
+    the aggregation read it in transformers' (out, in), which the globals are written in."""
+    built = init_model(small_config("model.name_or_path=tiny:qwen3_vl_moe"), tmp_path / "built")["path"]
+    hub = hub_layout(built, tmp_path / "hub")
     run_dir = tmp_path / "run"
     settings = [
         *SMALL,
-        "model.name_or_path=tiny:qwen3_vl_moe",
+        f"model.name_or_path={hub}",
         "diloco.inner_steps=2",
         "diloco.rounds=2",
         "diloco.eval_every=0",
@@ -85,9 +92,11 @@ def test_diloco_on_a_tiny_qwen3_vl_moe_keeps_every_tensor(prefect_api, tmp_path)
     ]
     state = diloco(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
-    theta0 = CheckpointReader(run_dir / "init")
+    theta0 = CheckpointReader(built)  # transformers' layout, which the globals are written in
     final = run_dir / "diloco" / "iso-iid" / "global" / "2"  # variant: the method and the shards
     same_tensors(final, theta0)
+    fused = "model.language_model.layers.0.mlp.experts.down_proj"
+    assert 0 < (CheckpointReader(final).get(fused) - theta0.get(fused)).abs().max() < 0.1  # θ0 read right
     assert json.loads((final / "round.json").read_text())["tensors"] == len(theta0.info)
     assert AutoModelForImageTextToText.from_pretrained(final).config.model_type == "qwen3_vl_moe"
 

@@ -58,6 +58,7 @@ from pipeline.diloco.rounds import (
     Clock,
     delta_dir,
     global_dir,
+    global_reader,
     link,
     outer_of,
     outer_state,
@@ -209,7 +210,7 @@ def apply_arrival(
     time since ``began``); returns the record."""
     start, arrival = time.perf_counter(), schedule[v]
     closes = closes_window(plan, v)
-    theta = CheckpointReader(global_dir(plan, v))
+    theta = global_reader(plan, v)
     folder = delta_dir(plan, arrival.payload, arrival.worker)
     meta = verify_checkpoint(folder)
     digest = payload_digest(folder)

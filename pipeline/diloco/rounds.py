@@ -66,6 +66,7 @@ from pipeline.merge.io import (
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
 from pipeline.models.families import stacked_experts
+from pipeline.models.loading import reader_as_loaded
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
 MEMBERS = "members.json"  # each round's workers, decided once
@@ -88,6 +89,11 @@ class Clock:
 
 def global_dir(plan: DilocoPlan, r: int) -> Path:
     return Path(plan.init) if r == 0 else Path(plan.folder) / GLOBAL / str(r)
+
+
+def global_reader(plan: DilocoPlan, r: int) -> CheckpointReader:
+    """Global ``r`` with its fused experts read as the workers hold them (θ0 may be the hub's layout)."""
+    return reader_as_loaded(global_dir(plan, r))
 
 
 def delta_dir(plan: DilocoPlan, r: int, k: int) -> Path:
@@ -339,7 +345,7 @@ def assemble_round(
                 "it was replaced while the round was assembled: run again (the part is made again)"
             )
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
-    theta = CheckpointReader(global_dir(plan, r))
+    theta = global_reader(plan, r)
     deltas = [open_payload(delta_dir(plan, r, k), theta) for k in workers]
     with staged_dir(global_dir(plan, r + 1)) as tmp:
         hashes, maps = {}, {}
@@ -372,7 +378,7 @@ class _RoundStep:
     measured, the outer step taken; the seconds of each part summed over the tensors."""
 
     def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
-        self.theta = CheckpointReader(global_dir(plan, r))
+        self.theta = global_reader(plan, r)
         self.stacked = stacked_experts(global_dir(plan, r))
         self.deltas = [open_payload(delta_dir(plan, r, k), self.theta) for k in workers]
         self.trained = self.deltas[0].trained

@@ -47,6 +47,7 @@ from pipeline.diloco.rounds import (
     closed_to,
     delta_dir,
     global_dir,
+    global_reader,
     rounds_done,
     send,
 )
@@ -142,7 +143,7 @@ def write_payload(
             pass
         return None
     plan = job.plan
-    theta, kept = CheckpointReader(global_dir(plan, base)), ({} if residual is not None else None)
+    theta, kept = global_reader(plan, base), ({} if residual is not None else None)
     with staged_dir(folder) as tmp:
         out = tmp / PAYLOAD
         out.mkdir()

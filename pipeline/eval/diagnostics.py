@@ -37,6 +37,7 @@ from pipeline.merge.inputs import rows_of
 from pipeline.merge.io import CheckpointReader, MergeInputError
 from pipeline.models import load_model, load_processor
 from pipeline.models.adapter import is_adapter
+from pipeline.models.loading import reader_as_loaded
 
 FIGURES = ("sources", "max_examples_per_source", "barrier_points")  # eval settings that change the barrier
 ALL_PAIRS_UP_TO = 4  # branches; beyond, consecutive pairs only (K (K − 1) / 2 lines grow too fast)
@@ -122,7 +123,7 @@ def _toward(model: Any, target: Any, t: float) -> None:
 def distance(path: str | Path, base: str | Path) -> dict[str, float]:
     """‖θ − θ0‖₂ over every float tensor and its ratio to ‖θ0‖₂, streamed tensor by tensor (a LoRA
     adapter's ΔW formed from its factors)."""
-    origin = CheckpointReader(base)
+    origin = reader_as_loaded(base)  # a hub θ0's experts in the layout its fine-tuned models hold
     reader = AdapterReader(path, origin) if is_adapter(path) else CheckpointReader(path)
     shapes, base_shapes = _weights(reader), _weights(origin)
     if shapes != base_shapes:
