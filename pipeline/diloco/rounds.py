@@ -92,8 +92,9 @@ def global_dir(plan: DilocoPlan, r: int) -> Path:
 
 
 def global_reader(plan: DilocoPlan, r: int) -> CheckpointReader:
-    """Global ``r`` with its fused experts read as the workers hold them (θ0 may be the hub's layout)."""
-    return reader_as_loaded(global_dir(plan, r))
+    """Global ``r`` with its fused experts read as the workers hold them: θ0 may store them in the
+    hub's layout; every later global is written in transformers' own."""
+    return reader_as_loaded(global_dir(plan, r)) if r == 0 else CheckpointReader(global_dir(plan, r))
 
 
 def delta_dir(plan: DilocoPlan, r: int, k: int) -> Path:
