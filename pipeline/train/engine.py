@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,10 +126,7 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
     cfg = spec.config
     config = deepspeed_config(spec.train, world, checkpoint_dtype(cfg.model, spec.init))
     zero3 = HfDeepSpeedConfig(config) if config.get("zero_optimization", {}).get("stage") == 3 else None
-    if zero3 is not None:
-        with experts_transposed_by_full_shape():
-            model = load_model(spec.init, cfg.model)
-    else:
+    with experts_transposed_by_full_shape() if zero3 is not None else nullcontext():
         model = load_model(spec.init, cfg.model)
     if zero3 is not None:
         # transformers' ZeRO-3 loader keeps every key conversion of the model's mapping, used or
