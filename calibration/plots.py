@@ -8,19 +8,22 @@ import matplotlib.pyplot as plt
 import torch
 
 from calibration.split import SplitPlan, principal_axes
-from pipeline.figures import save_figure
+from pipeline.figures import labelled_axis, save_figure
+
+ANNOTATED_POINTS = 40  # sources named beside their points; past that the names would cover the plot
 
 
 def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
-    """Heatmap of the cosine conflict matrix, sources ordered by group, group borders drawn."""
-    order = [sources.index(s) for group in plan.groups for s in group]
+    """Heatmap of the cosine conflict matrix, sources ordered by group and, within a group, by
+    hierarchical clustering (so that blocks of agreeing sources show), group borders drawn."""
+    order = [i for group in plan.groups for i in clustered([sources.index(s) for s in group], conflicts)]
     ordered = conflicts[order][:, order].numpy()
-    size = max(5.0, 0.32 * len(sources) + 2)
+    size, font = labelled_axis(len(sources))
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
     image = ax.imshow(ordered, cmap="coolwarm", vmin=-1, vmax=1)
     labels = [sources[i] for i in order]
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=font)
+    ax.set_yticks(range(len(labels)), labels, fontsize=font)
     edge = -0.5
     for group in plan.groups[:-1]:
         edge += len(group)
@@ -29,6 +32,21 @@ def plot_conflicts(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan,
     fig.colorbar(image, ax=ax, label="cosine of mean gradients")
     ax.set_title(f"Gradient conflicts at θ0, {len(plan.groups)} groups ({plan.method})")
     return save_figure(fig, path)
+
+
+def clustered(members: list[int], conflicts: torch.Tensor) -> list[int]:
+    """``members`` (indices into the conflict matrix) in the leaf order of an average-linkage
+    clustering on 1 − cosine."""
+    if len(members) < 3:
+        return members
+    from scipy.cluster.hierarchy import leaves_list, linkage
+    from scipy.spatial.distance import squareform
+
+    distance = (1 - conflicts[members][:, members]).clamp(min=0).double()
+    distance = (distance + distance.T) / 2
+    distance.fill_diagonal_(0)
+    leaves = leaves_list(linkage(squareform(distance.numpy(), checks=False), method="average"))
+    return [members[i] for i in leaves]
 
 
 def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path: Path) -> Path:
@@ -43,7 +61,7 @@ def plot_axes(conflicts: torch.Tensor, sources: list[str], plan: SplitPlan, path
     for k in range(len(plan.groups)):
         idx = [i for i, s in enumerate(sources) if group[s] == k]
         ax.scatter(scores[idx, 0], scores[idx, 1], color=colours(k % 10), label=f"group {k}", s=40)
-    for i, s in enumerate(sources):
+    for i, s in enumerate(sources if len(sources) <= ANNOTATED_POINTS else []):
         ax.annotate(
             s, (float(scores[i, 0]), float(scores[i, 1])), fontsize=7, xytext=(3, 3), textcoords="offset points"
         )

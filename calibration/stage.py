@@ -83,6 +83,17 @@ class _Estimator:
         return conflicts, plan
 
 
+def refuse_small_sources(examples: dict[str, int], n: int) -> None:
+    """``calibration.small_sources: refuse``: every source with fewer training examples than n, named."""
+    small = {name: count for name, count in examples.items() if count < n}
+    if small:
+        listed = ", ".join(f"'{name}' ({count})" for name, count in sorted(small.items()))
+        raise CalibrationError(
+            f"{len(small)} sources have fewer training examples than calibration.n_per_source = {n}: {listed}. "
+            "Lower n_per_source, drop them, or set calibration.small_sources: use_all"
+        )
+
+
 def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, force: bool = False) -> dict[str, Any]:
     """Write gradients, conflicts, ``split.json`` and plots; reuse them when up to date."""
     run_dir, out = Path(run_dir), Path(run_dir) / OUT_DIR
@@ -94,6 +105,9 @@ def calibrate(cfg: RunConfig, run_dir: str | Path, diagnostics: bool = False, fo
     start = time.perf_counter()
     manifest = read_manifest(run_dir)
     tokens, samples = split_weights(cfg, manifest)
+    if cfg.calibration.small_sources == "refuse" and cfg.calibration.method == "pca":
+        examples = {name: info["train_examples"] for name, info in active_sources(manifest).items()}
+        refuse_small_sources(examples, cfg.calibration.n_per_source)
     if cfg.calibration.method != "pca" and not diagnostics:
         return _split_without_gradients(cfg, tokens, samples, out, digest, start)
     estimator = _Estimator(cfg, run_dir)

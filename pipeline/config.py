@@ -105,22 +105,32 @@ class ModelSection(Section):
         return name
 
 
-SourceFormat = Literal["builtin", "llava", "sharegpt", "vision_flan", "jsonl", "hf_disk"]
+SourceFormat = Literal["builtin", "llava", "sharegpt", "vision_flan", "jsonl", "hf_disk", "hub"]
+HUB_FIELDS = ("subsets", "split", "revision", "source_column", "columns")
 
 
 class SourceSpec(Section):
-    """One config entry; ``builtin`` and ``vision_flan`` entries expand to one source per task."""
+    """One config entry; ``builtin`` and ``vision_flan`` entries expand to one source per task,
+    ``hub`` entries to one per subset of a hub data set (pipeline.data.hub)."""
 
     name: str
     format: SourceFormat
-    path: str | None = None
+    path: str | None = None  # hub: the data set's id (ORG/NAME) or a folder holding its files
     images_dir: str | None = None
     tasks: list[str] | None = None  # builtin / vision_flan: keep only these tasks
     # builtin, without tasks: which of its suites (pipeline.data.builtin.SUITES): the fine-tuning
     # sources, the skills a warm-up teaches θ0, or unseen instruction/task combinations to evaluate
     suite: Literal["finetune", "warmup", "unseen"] = "finetune"
-    max_examples: int | None = Field(None, ge=1)
+    max_examples: int | None = Field(None, ge=1)  # per source (hub: per subset, or per source_column value)
     heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0)
+    # hub only: which subsets (the data set card's configs) become sources, the split they give, the
+    # commit (pinned to the cached snapshot's when left out), a column whose values split one table
+    # into sources, and the data set's names for a known shape's columns ({texts: dialogue, ...}).
+    subsets: Literal["all"] | list[str] = "all"
+    split: str = "train"
+    revision: str | None = None
+    source_column: str | None = None
+    columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
     def _path_needed(self) -> SourceSpec:
@@ -128,6 +138,12 @@ class SourceSpec(Section):
             raise ValueError(f"source '{self.name}' ({self.format}) needs a path")
         if self.format != "builtin" and self.suite != "finetune":
             raise ValueError(f"source '{self.name}': 'suite' is for builtin sources only")
+        # compared with the defaults, not model_fields_set: a saved config writes every field
+        changed = [f for f in HUB_FIELDS if getattr(self, f) != type(self).model_fields[f].default]
+        if self.format != "hub" and changed:
+            raise ValueError(f"source '{self.name}': {changed} are for hub sources only")
+        if self.format == "hub" and self.subsets != "all" and not self.subsets:
+            raise ValueError(f"source '{self.name}': subsets is 'all' or a non-empty list")
         return self
 
 
@@ -170,6 +186,9 @@ class CalibrationSection(Section):
     """MERIT's split: per-source mean gradients at θ0, their cosine conflicts, PCA, K = 2^r groups."""
 
     n_per_source: int = Field(200, ge=1)
+    # a source with fewer training examples than n_per_source: its gradient is the mean over all it
+    # has (noisier; the stage names it), or the stage refuses to start, naming every such source
+    small_sources: Literal["use_all", "refuse"] = "use_all"
     batch_size: int = Field(16, ge=1)
     # Glob patterns over the model's parameter names (in memory); default: the language
     # blocks' weight matrices (a mixture of experts' fused expert tensors and routers included).

@@ -3,12 +3,13 @@ flows and the report agree on it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 from pipeline.checkpoint import is_complete
-from pipeline.config import ConfigError, RunConfig, load_config, save_config
-from pipeline.hub import ModelNotFoundError, resolve_model
+from pipeline.config import ConfigError, RunConfig, SourceSpec, load_config, save_config
+from pipeline.hub import ModelNotFoundError, dataset_snapshot, resolve_model
 from pipeline.models.families import is_tiny_name
 
 CONFIG = "config.yaml"  # the resolved config: any stage can be re-run from the run dir alone
@@ -39,7 +40,7 @@ def run_config(config: str | Path | None, overrides: list[str], run_dir: str | P
         )
     if config is None and (Path(run_dir) / CONFIG).is_file():
         config = Path(run_dir) / CONFIG
-    cfg = pin_revision(load_config(config, overrides))
+    cfg = pin_revisions(load_config(config, overrides))
     return cfg, Path(run_dir or Path("runs") / cfg.run.name)
 
 
@@ -53,18 +54,33 @@ def start_run(config: str | Path | None, overrides: list[str], run_dir: str | Pa
     return cfg, run_dir
 
 
-def pin_revision(cfg: RunConfig) -> RunConfig:
-    """θ0 named by a hub id without a revision: pin the commit its snapshot has now, so that every
-    stage and machine of the run reads the same weights even if the hub's main branch moves on
-    (left as it is when the snapshot cannot be found: preflight says so)."""
+def pin_revisions(cfg: RunConfig) -> RunConfig:
+    """θ0 and the hub data sets named by an id without a revision: pin the commit each snapshot has
+    now, so that every stage and machine of the run reads the same weights and records even if the
+    hub's main branch moves on (left as they are when a snapshot cannot be found: preflight says so)."""
     m = cfg.model
-    if is_tiny(cfg) or m.revision is not None or Path(m.name_or_path).expanduser().is_dir():
-        return cfg
-    try:
-        commit = resolve_model(m.name_or_path).name  # the snapshot folder is named by its commit
-    except ModelNotFoundError:
-        return cfg
-    return cfg.model_copy(update={"model": m.model_copy(update={"revision": commit})})
+    if not (is_tiny(cfg) or m.revision is not None or Path(m.name_or_path).expanduser().is_dir()):
+        with contextlib.suppress(ModelNotFoundError):
+            commit = resolve_model(m.name_or_path).name  # the snapshot folder is named by its commit
+            cfg = cfg.model_copy(update={"model": m.model_copy(update={"revision": commit})})
+    lists = {
+        ("data", "sources"): cfg.data.sources,
+        ("warmup", "sources"): cfg.warmup.sources or [],
+        ("eval", "sources"): cfg.eval.sources,
+    }
+    for (section, key), specs in lists.items():
+        pinned = [_pinned_source(spec) for spec in specs]
+        if pinned != specs:
+            part = getattr(cfg, section)
+            cfg = cfg.model_copy(update={section: part.model_copy(update={key: pinned})})
+    return cfg
+
+
+def _pinned_source(spec: SourceSpec) -> SourceSpec:
+    if spec.format != "hub" or spec.revision is not None or Path(spec.path).expanduser().is_dir():
+        return spec
+    folder = dataset_snapshot(spec.path)
+    return spec if folder is None else spec.model_copy(update={"revision": folder.name})
 
 
 def is_tiny(cfg: RunConfig) -> bool:

@@ -52,14 +52,24 @@ def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
 
 
 def _data(cfg: RunConfig, run_dir: str | Path) -> str:
-    missing = []
-    for source in cfg.data.sources:
+    """Every source entry's files, and every hub entry's subsets in the cache (else its download)."""
+    from pipeline.data.hub import check_hub_source
+
+    problems, subsets = [], 0
+    for source in cfg.data.sources + (cfg.warmup.sources or []) + cfg.eval.sources:
+        if source.format == "hub":
+            try:
+                subsets += check_hub_source(source)
+            except ConfigError as err:
+                problems.append(str(err))
+            continue
         for what, path in (("path", source.path), ("images_dir", source.images_dir)):
             if path is not None and not Path(path).exists():
-                missing.append(f"source '{source.name}' {what} {path} does not exist")
-    if missing:
-        raise ConfigError("; ".join(missing))
-    return f"{len(cfg.data.sources)} source entries found"
+                problems.append(f"source '{source.name}' {what} {path} does not exist")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    hub = f", {subsets} hub subsets in the cache" if subsets else ""
+    return f"{len(cfg.data.sources)} source entries found{hub}"
 
 
 def _deepspeed(cfg: RunConfig, run_dir: str | Path) -> str:

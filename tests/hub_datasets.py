@@ -9,18 +9,11 @@ randomness.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from pathlib import Path
 
-import datasets
-import yaml
 from datasets import Dataset, Features, Image, Sequence, Value
-from PIL import Image as PILImage
-from PIL import ImageDraw
 
-COLORS = [(200, 40, 40), (40, 160, 60), (40, 70, 200), (220, 180, 30), (150, 50, 170), (30, 170, 170)]
+from benchmarks.hub_cache import COLORS, image, revision, write_dataset_cache  # noqa: F401  (tests import them here)
 
 # lmms-eval task -> the hub data set its YAML names (the mathvista group's three subtasks share one).
 PAPER_TASKS = {
@@ -33,59 +26,6 @@ PAPER_TASKS = {
     "llava_in_the_wild": "lmms-lab-encoder/llava-bench-in-the-wild",
     "mmvet": "lmms-lab-encoder/MMVet",
 }
-
-
-def revision(repo_id: str) -> str:
-    """The fixed commit hash a test copy of ``repo_id`` is stored under (40 hex digits)."""
-    return hashlib.sha1(repo_id.encode()).hexdigest()
-
-
-def image(i: int, size: int = 56) -> PILImage.Image:
-    """A small RGB picture: a coloured square and disc on a light ground, different for each i."""
-    img = PILImage.new("RGB", (size, size), (245, 245, 240))
-    draw = ImageDraw.Draw(img)
-    draw.rectangle([4 + i % 5, 6, 26 + i % 5, 28], fill=COLORS[i % len(COLORS)])
-    draw.ellipse([28, 24 + i % 7, 50, 46 + i % 7], fill=COLORS[(i + 2) % len(COLORS)])
-    draw.line([0, size - 4, size, 4 + 3 * (i % 4)], fill=(0, 0, 0), width=2)
-    return img
-
-
-def write_dataset_cache(hf_home: Path, repo_id: str, configs: dict[str, dict[str, Dataset]]) -> Path:
-    """``repo_id`` as a hub dataset cache under ``hf_home/hub``; returns the snapshot folder.
-
-    One parquet file per split: ``data/<split>-00000-of-00001.parquet`` for a data set with only the
-    ``default`` config, ``<config>/<split>-...`` for one with several (as the real repos lay them out).
-    """
-    repo = Path(hf_home) / "hub" / f"datasets--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / revision(repo_id)
-    single = list(configs) == ["default"]
-    card = []
-    files: dict[str, Path] = {}
-    for config, splits in configs.items():
-        folder = "data" if single else config
-        card.append({"config_name": config, "data_files": []})
-        for split, rows in splits.items():
-            rel = f"{folder}/{split}-00000-of-00001.parquet"
-            files[rel] = repo / "tmp" / rel
-            files[rel].parent.mkdir(parents=True, exist_ok=True)
-            _to_parquet(rows, files[rel])
-            card[-1]["data_files"].append({"split": split, "path": f"{folder}/{split}-*"})
-    readme = repo / "tmp" / "README.md"
-    readme.write_text(f"---\n{yaml.safe_dump({'configs': card}, sort_keys=False)}---\n\n# {repo_id} (test copy)\n")
-    files["README.md"] = readme
-    # As huggingface_hub stores them: content-addressed blobs, and the snapshot's files link to them.
-    for rel, tmp in files.items():
-        blob = repo / "blobs" / hashlib.sha256(tmp.read_bytes()).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        tmp.replace(blob)
-        link = snapshot / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.unlink(missing_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    shutil.rmtree(repo / "tmp")
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(revision(repo_id))
-    return snapshot
 
 
 def write_paper_datasets(hf_home: Path, items: int = 4) -> dict[str, str]:
@@ -103,16 +43,6 @@ def write_paper_datasets(hf_home: Path, items: int = 4) -> dict[str, str]:
     for task, repo_id in PAPER_TASKS.items():
         write_dataset_cache(hf_home, repo_id, writers[task](items))
     return dict(PAPER_TASKS)
-
-
-def _to_parquet(rows: Dataset, path: Path) -> None:
-    quiet = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        rows.to_parquet(str(path))
-    finally:
-        if not quiet:
-            datasets.enable_progress_bars()
 
 
 def _table(rows: list[dict], features: Features) -> Dataset:

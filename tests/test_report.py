@@ -432,3 +432,15 @@ def test_before_any_merge_recorded_weights_the_report_says_the_weights_are_the_d
     assert [b.get("merge_weight") for b in report["branches"]] == [None, 0.5, 0.5, None]  # n_k / Σ n_j
     markdown = (full_run / "report" / "report.md").read_text()
     assert "No merge has recorded its weights yet: n_k as the data manifest has it now." in markdown
+
+
+def test_a_per_source_table_of_many_sources_is_folded_under_its_plot():
+    from pipeline.report.render import FOLDED_ROWS, folded
+
+    def table(n: int) -> dict:
+        return {"headers": ["source", "theta0"], "rows": [[f"mix/s{i}", 1.0] for i in range(n)]}
+
+    assert folded(table(FOLDED_ROWS), "sources") == markdown_table(**table(FOLDED_ROWS))
+    many = folded(table(176), "sources")
+    assert many.startswith("<details><summary>All 176 sources</summary>") and many.endswith("</details>")
+    assert markdown_table(**table(176)) in many

@@ -105,7 +105,7 @@ class RecordParser:
         return {"role": ROLE_ALIASES[role], "content": split_image_tags(text)}
 
     def _image(self, index: int, ref: Any) -> ImageRef:
-        if isinstance(ref, Image.Image):
+        if isinstance(ref, Image.Image) or callable(ref):  # decoded, or decoded when encoded (a hub image)
             return ref
         if isinstance(ref, dict) and ref.get("bytes"):  # datasets Image feature, not decoded
             try:

@@ -3,11 +3,11 @@ count tokens (and surface every bad record before any training starts), write th
 
 ``data/manifest.json`` per source: role (``finetune``, ``warmup``, ``unseen`` or ``retention``,
 see :mod:`pipeline.data.sources`), format, examples, held-out indices, train/held-out tokens,
-supervised tokens, truncated and skipped counts. Eval-only sources (unseen, retention) are held
-out whole: they never train. Train tokens are the token-weighted merge's weights and the split
-planner's balance. The token ids themselves are kept in ``data/tokens/<n>.safetensors``
-(concatenated ids + offsets) so that later stages encode only images; :func:`load_split`
-attaches them to the examples it returns.
+supervised tokens, the cap its entry set (``max_examples``), truncated and skipped counts.
+Eval-only sources (unseen, retention) are held out whole: they never train. Train tokens are the
+token-weighted merge's weights and the split planner's balance. The token ids themselves are kept
+in ``data/tokens/<n>.safetensors`` (concatenated ids + offsets) so that later stages encode only
+images; :func:`load_split` attaches them to the examples it returns.
 """
 
 from __future__ import annotations
@@ -77,15 +77,19 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
         for number, (name, examples) in enumerate(loaded.examples.items()):
             heldout = _heldout(cfg, loaded, name)
             tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
-            sources[name] = _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file) | {
-                "role": loaded.roles[name],
-                "tokens_file": str(tokens_file),
-                "format": loaded.formats[name],
-                "origin": examples[0].origin,
-                "heldout_indices": heldout,
-                "skipped": len(loaded.skipped.get(name, [])),
-                "skipped_reasons": loaded.skipped.get(name, [])[:SKIPPED_SHOWN],
-            }
+            sources[name] = (
+                _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file)
+                | {
+                    "role": loaded.roles[name],
+                    "tokens_file": str(tokens_file),
+                    "format": loaded.formats[name],
+                    "origin": examples[0].origin,
+                    "heldout_indices": heldout,
+                    "max_examples": loaded.entries[name].max_examples,  # the cap its entry sets (None: none)
+                    "skipped": len(loaded.skipped.get(name, [])),
+                    "skipped_reasons": loaded.skipped.get(name, [])[:SKIPPED_SHOWN],
+                }
+            )
     for name, reasons in loaded.skipped.items():  # sources dropped whole (empty after skipping)
         if name not in sources:
             sources[name] = {

@@ -16,6 +16,7 @@ from pipeline.config import DataSection, EvalSourceSpec, SourceSpec
 from pipeline.data import builtin
 from pipeline.data.example import DataError, Example
 from pipeline.data.formats import RecordParser, read_hf_disk_records, read_json_records, read_jsonl_records
+from pipeline.data.hub import hub_records, local_datasets
 
 EVAL_ROLES: tuple[str, ...] = get_args(EvalSourceSpec.model_fields["role"].annotation)  # never trained on
 
@@ -89,6 +90,8 @@ def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy)
     if spec.format == "builtin":
         generated = builtin.generate(spec.tasks, data.builtin, seed, spec.suite)
         return {name: examples[: spec.max_examples] for name, examples in generated.items()}
+    if spec.format == "hub":
+        return _load_hub(spec, policy)
     path = Path(spec.path)
     if not path.exists():
         raise DataError(str(path), None, f"source '{spec.name}': file not found")
@@ -103,6 +106,15 @@ def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy)
     }
     parser = RecordParser(spec.name, path, images_dir)
     return {spec.name: policy.parse_all(parser, readers[spec.format](), spec.max_examples)}
+
+
+def _load_hub(spec: SourceSpec, policy: _Policy) -> dict[str, list[Example]]:
+    """One source per subset (or per value of ``source_column``) of a hub data set."""
+    out = {}
+    with local_datasets():
+        for name, parser, records in hub_records(spec):
+            out[name] = policy.parse_all(parser, records, spec.max_examples)
+    return out
 
 
 def _load_vision_flan(spec: SourceSpec, path: Path, images_dir: Path, policy: _Policy) -> dict[str, list[Example]]:

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.patches import Patch
 
 from pipeline.config import EVALUATED_ROLES
-from pipeline.figures import save_figure
+from pipeline.figures import labelled_axis, save_figure
 
 KIND_COLOURS = {
     "theta0": "tab:grey",
@@ -49,9 +49,10 @@ def plot_per_source(models: list[str], sources: list[str], delta: np.ndarray, pa
     """Heatmap models × sources of held-out loss minus θ0's, centred at 0 (blue: better than θ0)."""
     finite = np.abs(delta[np.isfinite(delta)])
     limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(sources) + 3), max(3.0, 0.4 * len(models) + 2)))
+    width, font = labelled_axis(len(sources), per_label=0.4, least=6.0)
+    fig, ax = plt.subplots(figsize=(width + 1, max(3.0, 0.4 * len(models) + 2)))
     image = ax.imshow(delta, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
-    ax.set_xticks(range(len(sources)), sources, rotation=90, fontsize=7)
+    ax.set_xticks(range(len(sources)), sources, rotation=90, fontsize=font)
     ax.set_yticks(range(len(models)), models, fontsize=8)
     if delta.size <= ANNOTATE_CELLS:
         for (i, j), value in np.ndenumerate(delta):

@@ -21,6 +21,7 @@ PLOT_FILES = {
     "diloco.png": "DiLoCo rounds",
     "quality.png": "merges on MERIT's split and the controls'",
 }  # the report's own PNGs and their alt texts
+FOLDED_ROWS = 30  # a longer per-source table is folded (<details>) under its plot
 ROLE_WORDS = {"finetune": "fine-tuning", "warmup": "warm-up (θ0)", "unseen": "unseen", "retention": "retention"}
 
 
@@ -80,6 +81,15 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if n else ":---" for n in numeric) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def folded(table: dict[str, Any], what: str) -> str:
+    """A table of more than FOLDED_ROWS rows folded under a line that says how many (the plot above
+    it is what a reader looks at first; at 176 sources the table is for looking one up)."""
+    text = markdown_table(**table)
+    if len(table["rows"]) <= FOLDED_ROWS:
+        return text
+    return f"<details><summary>All {len(table['rows'])} {what}</summary>\n\n{text}\n\n</details>"
 
 
 def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
@@ -152,7 +162,7 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
     if "models" in tables:
         section("Models", figure.get("heldout_loss.png", ""), markdown_table(**tables["models"]))
     if "per_source" in tables:
-        section("Per-source held-out loss", figure.get("per_source.png", ""), markdown_table(**tables["per_source"]))
+        section("Per-source held-out loss", figure.get("per_source.png", ""), folded(tables["per_source"], "sources"))
     if "branches" in tables:
         section(
             "Branches",

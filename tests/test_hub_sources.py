@@ -1,0 +1,218 @@
+"""``format: hub`` sources: a hub data set's subsets as sources, read offline from a hub-shaped cache
+(what ``hf download ID --repo-type dataset`` leaves), in the Cauldron's and LLaVA-OneVision-Data's
+shapes, through prepare, preflight and calibration."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import small_config
+from datasets import Dataset, Features, Image, List, Value
+from PIL import Image as PILImage
+
+from benchmarks.hub_cache import image, revision, write_dataset_cache, write_mixture
+from calibration.errors import CalibrationError
+from calibration.plots import clustered, plot_conflicts
+from calibration.split import plan_split
+from calibration.stage import refuse_small_sources
+from merit.cli import main as merit
+from pipeline.config import ConfigError, DataSection, load_config
+from pipeline.data import DataError, active_sources, load_sources, prepare_data
+from pipeline.layout import run_config
+from pipeline.preflight import PreflightError, check_run
+
+ROOT = Path(__file__).parent.parent
+DEMO = str(ROOT / "configs" / "demo.yaml")
+CAULDRON, ONEVISION = "HuggingFaceM4/the_cauldron", "lmms-lab/LLaVA-OneVision-Data"
+SUBSETS, ROWS = 40, 6
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory) -> Path:
+    """HF_HOME with a 40-subset Cauldron-shaped mixture and a 6-subset LLaVA-OneVision-shaped one."""
+    home = tmp_path_factory.mktemp("hf")
+    write_mixture(home, CAULDRON, SUBSETS, ROWS)
+    write_mixture(home, ONEVISION, 6, 10, shape="onevision")
+    return home
+
+
+@pytest.fixture
+def offline_hub(hub_home, monkeypatch) -> Path:
+    monkeypatch.setenv("HF_HOME", str(hub_home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    return hub_home
+
+
+def hub_source(name: str, repo: str, **fields) -> str:
+    return yaml.safe_dump({"name": name, "format": "hub", "path": repo, **fields}, default_flow_style=True).strip()
+
+
+def test_forty_cauldron_subsets_become_forty_sources_and_calibration_splits_them_into_eight(offline_hub, tmp_path):
+    run = tmp_path / "run"
+    settings = [
+        f"data.sources=[{hub_source('cauldron', CAULDRON, subsets='all')}]",
+        "warmup.steps=0",
+        "warmup.sources=[]",
+        "eval.sources=[]",
+        "eval.benchmarks=[]",
+        "calibration.r=3",
+        "calibration.n_per_source=4",
+    ]
+    args = [DEMO, "--run-dir", str(run), *[a for s in settings for a in ("--set", s)]]
+    assert merit(["init", *args]) == 0
+    assert merit(["prepare", "--run-dir", str(run)]) == 0
+    assert merit(["calibrate", "--run-dir", str(run)]) == 0
+
+    manifest = json.loads((run / "data" / "manifest.json").read_text())
+    names = [f"cauldron/task_{i:03d}" for i in range(SUBSETS)]
+    assert sorted(manifest["sources"]) == names
+    first = manifest["sources"]["cauldron/task_000"]
+    assert first["examples"] == ROWS and first["train_tokens"] > 0 and first["max_examples"] is None
+    assert first["origin"] == f"{CAULDRON}@{revision(CAULDRON)[:12]}:task_000/train"
+    saved = load_config(run / "config.yaml")  # the snapshot's commit, pinned for every later stage
+    assert saved.data.sources[0].revision == revision(CAULDRON)
+
+    split = json.loads((run / "calibration" / "split.json").read_text())
+    groups = split["groups"]
+    assert len(groups) == 8 and sorted(s for g in groups for s in g) == names
+    assert sorted(len(g) for g in groups) == [5] * 8  # equal sources, balanced by samples
+    assert (run / "calibration" / "conflicts.png").is_file()
+
+
+def test_llava_onevision_subsets_load_by_their_names_with_images_decoded_when_encoded(offline_hub, processor, tmp_path):
+    subsets = ["Task-001(source 1)", "Task-004(source 4)"]
+    entry = hub_source("ov", ONEVISION, subsets=subsets, max_examples=7)
+    data = DataSection(sources=[yaml.safe_load(entry)])
+    manifest = prepare_data(small_config(f"data.sources=[{entry}]"), tmp_path / "run", processor)
+    prepared = active_sources(manifest)
+    assert sorted(prepared) == [f"ov/{s}" for s in subsets]
+    assert all(p["examples"] == 7 and p["max_examples"] == 7 and p["train_tokens"] > 0 for p in prepared.values())
+    loaded = load_sources(data, seed=0)
+    assert list(loaded.examples) == [f"ov/{s}" for s in subsets]
+    examples = loaded.examples["ov/Task-004(source 4)"]
+    assert len(examples) == 7  # max_examples caps each subset
+    text_only, pictured = examples[0], examples[1]  # the fixture's every fifth row has no image
+    assert text_only.images == [] and text_only.messages[0]["content"] == [
+        {"type": "text", "text": "Task 4: what does picture 0 show?"}
+    ]
+    assert pictured.messages[0]["content"][0] == {"type": "image"}
+    assert repr(pictured.images[0]) == f"{ONEVISION}@{revision(ONEVISION)[:12]}:Task-004(source 4)/train#1"
+    decoded = np.asarray(pictured.load_images()[0])
+    assert np.array_equal(decoded, np.asarray(image(4 + 1)))  # the stored picture of row 1, pixel for pixel
+    assert pictured.fingerprint() == load_sources(data, seed=0).examples["ov/Task-004(source 4)"][1].fingerprint()
+
+
+def test_a_subset_missing_from_the_cache_is_refused_before_any_stage_with_the_command_that_fetches_it(
+    offline_hub, tmp_path
+):
+    snapshot = offline_hub / "hub" / f"datasets--{CAULDRON.replace('/', '--')}" / "snapshots" / revision(CAULDRON)
+    gone = snapshot / "task_007" / "train-00000-of-00001.parquet"
+    target = gone.resolve()
+    gone.unlink()  # as after `hf download ... --include` of the other subsets
+    try:
+        sources = [
+            hub_source("cauldron", CAULDRON, subsets="all"),
+            hub_source("picked", CAULDRON, subsets=["task_001", "no_such_subset"]),
+            hub_source("absent", "someone/not-downloaded"),
+        ]
+        cfg, run = run_config(DEMO, [f"data.sources=[{', '.join(sources)}]"], tmp_path / "run")
+        with pytest.raises(PreflightError) as refused:
+            check_run(cfg, run)
+        message = str(refused.value)
+        fetch = (
+            f"hf download {CAULDRON} --repo-type dataset --revision {revision(CAULDRON)} --include 'task_007/train-*'"
+        )
+        assert fetch in message
+        assert "has no subsets ['no_such_subset']" in message
+        assert "`hf download someone/not-downloaded --repo-type dataset`" in message
+        assert not run.exists()  # nothing ran, nothing was written
+
+        # the prepare stage, started anyway, refuses the same way before it encodes anything
+        with pytest.raises(ConfigError, match="task_007"):
+            load_sources(DataSection(sources=[yaml.safe_load(sources[0])]), seed=0)
+    finally:
+        gone.symlink_to(target)
+
+
+def test_a_column_mapping_and_a_source_column_split_one_table_into_named_sources(offline_hub):
+    features = Features(
+        {
+            "dialogue": List({"role": Value("string"), "content": Value("string")}),
+            "picture": List(Image()),
+            "task": Value("string"),
+        }
+    )
+    rows = [
+        {
+            "dialogue": [{"role": "user", "content": f"<image>Q{i}"}, {"role": "assistant", "content": f"A{i}"}],
+            "picture": [image(i)],
+            "task": ["ocr", "vqa", "caption"][i % 3],
+        }
+        for i in range(9)
+    ]
+    table = Dataset.from_dict({k: [r[k] for r in rows] for k in features}, features=features)
+    write_dataset_cache(offline_hub, "someone/flan-like", {"default": {"train": table}})
+    spec = hub_source(
+        "flan", "someone/flan-like", source_column="task", columns={"messages": "dialogue", "images": "picture"}
+    )
+    loaded = load_sources(DataSection(sources=[yaml.safe_load(spec)]), seed=0)
+    assert list(loaded.examples) == ["flan/caption", "flan/ocr", "flan/vqa"]
+    assert [e.index for e in loaded.examples["flan/vqa"]] == [1, 4, 7]
+    assert loaded.examples["flan/vqa"][0].answer() == "A1"
+
+    unmapped = hub_source("raw", "someone/flan-like")
+    with pytest.raises(DataError, match=r"match no known shape.*columns: \{messages: <column>"):
+        load_sources(DataSection(sources=[yaml.safe_load(unmapped)]), seed=0)
+
+
+def test_a_malformed_record_is_named_and_follows_on_bad_record(offline_hub):
+    features = Features(
+        {"images": List(Image()), "texts": List({"user": Value("string"), "assistant": Value("string")})}
+    )
+    rows = {
+        "images": [[image(i)] for i in range(4)],
+        "texts": [[{"user": f"q{i}", "assistant": None if i == 2 else f"a{i}"}] for i in range(4)],
+    }
+    write_dataset_cache(offline_hub, "someone/broken", {"one": {"train": Dataset.from_dict(rows, features=features)}})
+    spec = yaml.safe_load(hub_source("broken", "someone/broken"))
+    with pytest.raises(DataError, match=r"someone/broken@[0-9a-f]{12}:one/train record 2: turn text must be a string"):
+        load_sources(DataSection(sources=[spec]), seed=0)
+    loaded = load_sources(DataSection(sources=[spec], on_bad_record="skip"), seed=0)
+    assert [e.index for e in loaded.examples["broken/one"]] == [0, 1, 3]
+    assert len(loaded.skipped["broken/one"]) == 1
+
+
+def test_sources_smaller_than_the_calibration_sample_are_refused_when_asked_naming_each():
+    with pytest.raises(CalibrationError, match=r"2 sources .*'a' \(3\), 'c' \(1\)"):
+        refuse_small_sources({"a": 3, "b": 8, "c": 1}, 8)
+    refuse_small_sources({"a": 8}, 8)
+    with pytest.raises(ValueError, match="are for hub sources only"):
+        DataSection(sources=[{"name": "x", "format": "llava", "path": "x.json", "subsets": ["a"]}])
+
+
+def test_the_conflict_plot_of_176_sources_stays_a_readable_size_clustered_within_groups(tmp_path):
+    n = 176
+    g = torch.Generator().manual_seed(0)
+    axes = torch.randn(n, 4, generator=g)
+    conflicts = torch.nn.functional.cosine_similarity(axes[:, None], axes[None], dim=-1)
+    sources = [f"mix/subset_{i:03d}" for i in range(n)]
+    plan = plan_split(sources, dict.fromkeys(sources, 100), 4, "pca", conflicts)
+    path = plot_conflicts(conflicts, sources, plan, tmp_path / "conflicts.png")
+    with PILImage.open(path) as png:
+        assert max(png.size) <= (22 + 1.5) * 120  # capped: labels shrink instead
+    for group in plan.groups:
+        members = [sources.index(s) for s in group]
+        order = clustered(members, conflicts)
+        assert sorted(order) == sorted(members)
+        # the leaf order puts agreeing sources side by side: neighbours agree more than the group on average
+        inside = conflicts[members][:, members]
+        neighbours = torch.stack([conflicts[a, b] for a, b in itertools.pairwise(order)]).mean()
+        assert neighbours > inside[~torch.eye(len(members), dtype=torch.bool)].mean()
