@@ -29,9 +29,9 @@ GOLDEN = Path(__file__).parent / "golden"
 
 # `make test` runs the modules on 2 workers (pytest-xdist, a module per worker at a time): the
 # longest start first, so that neither worker is left with one of them while the other is idle.
-LONGEST_FIRST = ["test_prefect_server", "test_diloco", "test_flow", "test_shipped_3b", "test_lora"]
-LONGEST_FIRST += ["test_bench_quality", "test_train", "test_shipped_7b_lora", "test_diagnostics", "test_diloco_lora"]
-LONGEST_FIRST += ["test_bench_tools", "test_benchmarks", "test_paper_benchmarks", "test_families_flow"]
+LONGEST_FIRST = ["test_prefect_server", "test_families_flow", "test_diloco", "test_flow", "test_shipped_3b"]
+LONGEST_FIRST += ["test_lora", "test_bench_quality", "test_train", "test_shipped_7b_lora", "test_diagnostics"]
+LONGEST_FIRST += ["test_diloco_lora", "test_bench_tools", "test_benchmarks", "test_paper_benchmarks"]
 
 
 def pytest_collection_modifyitems(items):

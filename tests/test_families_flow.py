@@ -1,17 +1,17 @@
-"""The demo's flows at the smallest settings that run every stage, on the families whose stages differ
-most from Qwen2.5-VL's: MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused in memory and
-stored one by one, a shared expert: calibration over the experts and routers, K = 2 branches, merges,
-lmms-eval through this project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE stored as the
-hub's (fused experts, each expert (in, out) on disk, merged expert by expert), MERIT on a tiny
-InternVL3.5 (image tiles, no 3-D rope, lmms-eval through ``merit_internvl``). The dense Qwen3
-families' stages are tests/test_families.py's (built, one training step, merges): a whole flow per
-family costs the suite one to two minutes each."""
+"""The demo's flows at the smallest settings that run every stage, on every family beside Qwen2.5-VL
+(whose flows are tests/test_flow.py's): MERIT on a tiny Qwen3.5-MoE (linear attention, experts fused
+in memory and stored one by one, a shared expert: calibration over the experts and routers, K = 2
+branches, merges, lmms-eval through this project's ``merit_qwen3_vl``), DiLoCo on a tiny Qwen3-VL-MoE
+stored as the hub's (fused experts, each expert (in, out) on disk, merged expert by expert), MERIT on
+a tiny InternVL3.5 (image tiles, no 3-D rope, lmms-eval through ``merit_internvl``), and MERIT then
+DiLoCo in one run directory on each dense Qwen3 family."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import hub_layout, small_config
 from transformers import AutoModelForImageTextToText
@@ -117,3 +117,37 @@ def test_merit_on_a_tiny_internvl_runs_every_stage_and_lmms_eval_scores_it(prefe
     job = run_dir / "eval" / "benchmarks" / "merged-token_average" / "toy_perception"
     score = json.loads((job / "score.json").read_text())
     assert score["identity"]["model"] == "merit_internvl" and score["score"] is not None, score
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_merit_then_diloco_on_a_dense_qwen3_family_runs_every_stage(prefect_api, tmp_path, family):
+    """The dense Qwen3 families through both flows in one run directory (DiLoCo reuses θ0 and the
+    prepared data): calibration, K = 2 branches, merges, lmms-eval through ``merit_qwen3_vl``, then
+    2 DiLoCo workers for 2 rounds aggregated by Iso-C."""
+    run_dir = tmp_path / "run"
+    settings = [
+        *SMALL,
+        f"model.name_or_path=tiny:{family}",
+        "calibration.n_per_source=4",
+        "train.steps=2",
+        "merge.methods=[{name: token_average, method: weighted_average}]",
+        "diloco.inner_steps=2",
+        "diloco.rounds=2",
+        "diloco.eval_every=0",
+        "diloco.methods=[{name: iso, method: iso_c, outer_lr: 1.0, outer_momentum: 0.0}]",
+    ]
+    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    theta0 = CheckpointReader(run_dir / "init")
+    merged = run_dir / "merged" / "token_average"
+    same_tensors(merged, theta0)
+    assert AutoModelForImageTextToText.from_pretrained(merged).config.model_type == family
+    score = json.loads((run_dir / "eval/benchmarks/merged-token_average/toy_perception/score.json").read_text())
+    assert score["identity"]["model"] == "merit_qwen3_vl" and score["score"] is not None, score
+
+    state = diloco(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    final = run_dir / "diloco" / "iso-iid" / "global" / "2"
+    same_tensors(final, theta0)
+    assert json.loads((final / "round.json").read_text())["tensors"] == len(theta0.info)
+    assert AutoModelForImageTextToText.from_pretrained(final).config.model_type == family
