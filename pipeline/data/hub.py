@@ -66,6 +66,10 @@ class HubDataset:
     def label(self) -> str:
         return f"{self.spec.path}@{self.folder.name[:12]}" if REPO_ID.fullmatch(self.spec.path) else self.spec.path
 
+    def origin(self, subset: str) -> str:
+        """What names the subset's records in errors and the manifest: ``ORG/NAME@<commit>:<subset>/<split>``."""
+        return f"{self.label}:{subset}/{self.spec.split}"
+
     def wanted(self) -> list[str]:
         """The subsets the entry names, each declared by the card and with its split's files here."""
         spec = self.spec
@@ -103,7 +107,6 @@ class HubDataset:
         from datasets.data_files import DataFilesDict
         from datasets.load import infer_module_for_data_files
 
-        where = f"{self.label}:{subset}/{self.spec.split}"
         patterns = {self.spec.split: self.subsets[subset][self.spec.split]}
         try:
             files = DataFilesDict.from_patterns(patterns, base_path=str(self.folder))
@@ -112,7 +115,7 @@ class HubDataset:
                 builder, data_files=dict(files), split=self.spec.split, cache_dir=str(datasets_cache()), **kwargs
             )
         except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as err:
-            raise DataError(where, None, f"cannot load it: {err}") from err
+            raise DataError(self.origin(subset), None, f"cannot load it: {err}") from err
 
 
 def _snapshot(spec: SourceSpec) -> Path:
@@ -191,10 +194,9 @@ def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[
     data = HubDataset.find(spec)
     subsets = data.wanted()
     for subset in subsets:
-        table = data.load(subset)
+        table, origin = data.load(subset), data.origin(subset)
         if spec.columns:
-            table = _renamed(table, spec.columns, f"{data.label}:{subset}")
-        origin = f"{data.label}:{subset}/{spec.split}"
+            table = _renamed(table, spec.columns, origin)
         text, image = _shape(table.column_names, origin, spec.name)
         images = _Images(table, image, origin)
         rows = _rows(table, text, spec.source_column, origin)
