@@ -537,9 +537,14 @@ class RunConfig(Section):
             return len(d.groups)
         return self.branch_count if d.shards == "merit" else d.workers or self.branch_count
 
+    @property
+    def source_entries(self) -> list[SourceSpec]:
+        """Every source entry of the run: data.sources, warmup.sources and eval.sources."""
+        return self.data.sources + (self.warmup.sources or []) + self.eval.sources
+
     @model_validator(mode="after")
     def _source_names_unique(self) -> RunConfig:
-        names = [s.name for s in self.data.sources + (self.warmup.sources or []) + self.eval.sources]
+        names = [s.name for s in self.source_entries]
         require_unique(names, "source (data, warmup and eval sources together)")
         return self
 

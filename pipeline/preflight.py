@@ -56,7 +56,7 @@ def _data(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.data.hub import check_hub_source
 
     problems, subsets = [], 0
-    for source in cfg.data.sources + (cfg.warmup.sources or []) + cfg.eval.sources:
+    for source in cfg.source_entries:
         if source.format == "hub":
             try:
                 subsets += check_hub_source(source)
