@@ -31,10 +31,11 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
+from benchmarks import premises
 from pipeline.checkpoint import write_text_atomic
 from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
-from pipeline.data.builtin import CONFLICTS
+from pipeline.data.builtin import CONFLICT_KINDS, CONFLICTS
 from pipeline.eval.benchmarks import BENCHMARKS, CONSTANT
 from pipeline.layout import CALIBRATION, EVAL, REPORT, start_run
 from pipeline.report import markdown_table
@@ -87,25 +88,30 @@ class Case:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
+def seed_overrides(args: argparse.Namespace, kind: str, seed: int) -> list[str]:
+    """What a seed's cases of one kind of conflict set over the config: their data and θ0."""
+    return [*args.overrides, f"run.seed={seed}", f"data.builtin.conflicts={kind}"]
+
+
+def full(args: argparse.Namespace, i: int) -> bool:
+    """Whether the i-th seed runs the larger K, Random-K and the other joint budgets."""
+    return args.full_seeds is None or i < args.full_seeds
+
+
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     ks = sorted(args.k)
     only_merit_merge = f"merge.methods=[{{name: {MERIT_MERGE}, method: weighted_average}}]"
     cases = []
     for kind in args.kinds:
         for i, seed in enumerate(args.seeds):
-            base, full = f"{kind}-s{seed}", i < args.full_seeds
-            sets = [
-                *args.overrides,
-                f"run.seed={seed}",
-                f"data.builtin.conflicts={kind}",
-                f"flow.controls={'[random]' if full else '[]'}",
-            ]
+            base = f"{kind}-s{seed}"
+            sets = [*seed_overrides(args, kind, seed), f"flow.controls={'[random]' if full(args, i) else '[]'}"]
             labels = {"kind": kind, "seed": seed}
             cases.append(Case(base, [*sets, f"calibration.r={_r(ks[0])}"], labels | {"K": ks[0]}))
-            for k in ks[1:] if full else ():
+            for k in ks[1:] if full(args, i) else ():
                 overrides = [*sets, f"calibration.r={_r(k)}", "flow.joint_baseline=false", only_merit_merge]
                 cases.append(Case(f"{base}-k{k}", overrides, labels | {"K": k}, base))
-            for epochs in args.joint_epochs if full else ():
+            for epochs in args.joint_epochs if full(args, i) else ():
                 sets_e = [*sets, f"train.epochs={epochs}"]
                 cases.append(Case(f"{base}-joint{epochs:g}", sets_e, labels | {"joint_epochs": epochs}, base, "joint"))
     # Factors: from the first kind's base cases at the smallest K, MERIT's split and merge only.
@@ -113,11 +119,9 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     for factor in args.factors:
         _, levels, fresh = FACTORS[factor]
         fresh = fresh or (factor == "lr" and not lr_keeps_theta0)
-        for seed in args.seeds[: args.full_seeds]:
+        for seed in [s for i, s in enumerate(args.seeds) if full(args, i)]:
             sets = [
-                *args.overrides,
-                f"run.seed={seed}",
-                f"data.builtin.conflicts={args.kinds[0]}",
+                *seed_overrides(args, args.kinds[0], seed),
                 f"calibration.r={_r(ks[0])}",
                 "flow.controls=[]",
                 only_merit_merge,
@@ -129,7 +133,9 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                 cases.append(
                     Case(f"{factor}-{level}-s{seed}", [*sets, *joint, *overrides], labels, None if fresh else base)
                 )
-    return cases
+    # Every seed's base case first (θ0, the smallest K, its control, the joint baseline, the
+    # premises): a bench stopped early has every seed's premises and smallest K.
+    return sorted(cases, key=lambda case: case.base is not None)
 
 
 def _r(k: int) -> int:
@@ -185,9 +191,9 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
         joint = next(m for m in report["models"] if m["name"] == "joint")
         return [case.labels | {"model": "joint", "split": "—"} | _figures(joint) | scored("joint", "—")]
     barriers = report.get("quality", {}).get("barriers", {})
-    k = case.labels["K"]
-    apart = {f"MERIT-{k}": pairs_apart(run_dir)}
-    apart |= {f"{name.capitalize()}-{k}": pairs_apart(control_dir(run_dir, name)) for name in SPLIT_OF}
+    k, kind = case.labels["K"], case.labels["kind"]
+    apart = {f"MERIT-{k}": pairs_apart(run_dir, kind)}
+    apart |= {f"{name.capitalize()}-{k}": pairs_apart(control_dir(run_dir, name), kind) for name in SPLIT_OF}
     rows = []
     if case.base is None and (CONSTANT, "—") in scores:  # the toy tasks' constant answers: once per data made
         rows.append(case.labels | {"model": CONSTANT_LABEL, "split": "—"} | scored(CONSTANT, "—"))
@@ -200,13 +206,13 @@ def case_rows(run_dir: Path, case: Case) -> list[dict[str, Any]]:
     return rows
 
 
-def pairs_apart(run_dir: Path) -> int | None:
+def pairs_apart(run_dir: Path, kind: str) -> int | None:
     """How many of the built-in corpus's designed conflict pairs the run's split puts in different groups."""
     path = run_dir / CALIBRATION / "split.json"
     if not path.is_file():
         return None
     group = {s: g for g, sources in enumerate(json.loads(path.read_text())["groups"]) for s in sources}
-    return sum(group[a] != group[b] for a, b in CONFLICTS if a in group and b in group)
+    return sum(group[a] != group[b] for a, b in CONFLICTS[kind] if a in group and b in group)
 
 
 def _figures(model: dict[str, Any]) -> dict[str, Any]:
@@ -307,7 +313,7 @@ def main_table(rows: list[dict[str, Any]]) -> str:
             "held-out loss",
             "accuracy, trained (%)",
             "accuracy, retention (%)",
-            f"pairs apart (of {len(CONFLICTS)})",
+            f"pairs apart (of {len(CONFLICTS[kind])})",
         ]
         table = [
             [
@@ -384,6 +390,33 @@ def _mean(rows: list[dict[str, Any]], metric: str, digits: int) -> str:
     return f"{mean(values):.{digits}f}" if values else ""
 
 
+def premise_sections(
+    rows: list[dict[str, Any]], workdir: Path, drops: dict[str, dict[int, dict[str, float]]]
+) -> list[str]:
+    """Per kind of conflict, the four premises' tables (benchmarks.premises), each with whether it holds."""
+    text = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        smallest = min(r["K"] for r in mine if "K" in r)
+        seeds = sorted({r["seed"] for r in mine})
+        cosines = {s: c for s in seeds if (c := premises.pair_cosines(workdir / f"{kind}-s{s}", kind))}
+        apart = {r["seed"]: r["pairs_apart"] for r in mine if r["split"] == f"MERIT-{smallest}"}
+        sections = [
+            ("1. θ0 knows things", premises.knowledge_table(mine, CONSTANT_LABEL)),
+            (
+                f"2. The designed pairs conflict at θ0 and MERIT-{smallest} puts them apart",
+                premises.conflict_table(cosines, apart, len(CONFLICTS[kind])),
+            ),
+        ]
+        if drops.get(kind):
+            sections.append(("3. Training a pair together interferes", premises.interference_table(drops[kind])))
+        text.append(f"**Premises, {kind} conflicts**")
+        for title, (table, holds) in sections:
+            text += ["", f"{title}: {'holds' if holds else '**does not hold**'}", "", table]
+        text += ["", "4. One basin: the loss barrier between the branches", "", premises.barrier_table(mine), ""]
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default="configs/benchmark.yaml", help="the base run config")
     parser.add_argument("--workdir", default="runs/bench-quality", help="one run directory per case, under here")
@@ -391,18 +424,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full-seeds",
         type=int,
-        default=3,
-        help="how many of the seeds also run the larger K, Random-K and the 0.5/2-epoch joint",
+        default=None,
+        help="how many of the seeds also run the larger K, Random-K and the other joint budgets (default: all)",
     )
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of branches K (powers of two)")
     parser.add_argument(
-        "--joint-epochs", type=float, nargs="*", default=[0.5, 2.0], help="joint baselines besides the 1-epoch one"
+        "--joint-epochs", type=float, nargs="*", default=[], help="joint baselines besides the 1-epoch one, e.g. 0.5 2"
     )
-    parser.add_argument("--kinds", nargs="+", default=["cued"], choices=["cued", "contradictory"])
+    parser.add_argument("--kinds", nargs="+", default=["opposed"], choices=CONFLICT_KINDS)
+    parser.add_argument(
+        "--interference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="premise 3: train each seed's designed pairs apart and together (5 short branches a seed)",
+    )
     parser.add_argument(
         "--factors",
         nargs="*",
-        default=["pca", "balance"],
+        default=[],
         choices=["pca", "balance", "lora", "warmup", "lr", "epochs", "width"],
         help="factor tables (from the first kind's full seeds, at the smallest K)",
     )
@@ -417,15 +456,25 @@ def main(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cases = plan_cases(args)
     start = time.perf_counter()
+    drops: dict[str, dict[int, dict[str, float]]] = {kind: {} for kind in args.kinds}
     for n, case in enumerate(cases, 1):
         began = time.perf_counter()
         run_case(case, args.config, workdir)
         print(f"[{n}/{len(cases)}] {case.name}: {time.perf_counter() - began:.0f} s", flush=True)
+        if args.interference and case.base is None and "factor" not in case.labels:
+            kind, seed = case.labels["kind"], case.labels["seed"]
+            began = time.perf_counter()
+            measured = premises.measure_interference(
+                args.config, seed_overrides(args, kind, seed), workdir / case.name, workdir / f"{case.name}-pairs", kind
+            )
+            drops[kind][seed] = premises.interference_drop(measured)
+            print(f"  premise 3, {case.name}: {time.perf_counter() - began:.0f} s", flush=True)
     main_rows = [r for c in cases if "factor" not in c.labels for r in c.rows]
     tests = paired_tests(main_rows)
     text = [
         f"## Quality: `merit {' '.join(sys.argv[1:])}`",
         "",
+        *premise_sections(main_rows, workdir, drops),
         main_table(main_rows),
         "",
         "Paired differences of the benchmark average, seed by seed (same θ0 and data):",
@@ -439,7 +488,9 @@ def main(args: argparse.Namespace) -> None:
     text += ["", f"{len(cases)} cases in {minutes:.1f} min (a case finished before is reused, not rerun)."]
     write_text_atomic(workdir / "quality.md", "\n".join(text) + "\n")
     rows = [r for c in cases for r in c.rows]
-    write_text_atomic(workdir / "quality.json", json.dumps({"rows": rows, "paired": tests}, indent=1))
+    write_text_atomic(
+        workdir / "quality.json", json.dumps({"rows": rows, "paired": tests, "interference": drops}, indent=1)
+    )
     for kind in args.kinds:
         agg = aggregate([r for r in main_rows if r["kind"] == kind], ("model", "split", "merge", "joint_epochs", "K"))
         smallest = min(args.k)

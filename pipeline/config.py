@@ -121,7 +121,8 @@ class SourceSpec(Section):
     # builtin, without tasks: which of its suites (pipeline.data.builtin.SUITES): the fine-tuning
     # sources, the skills a warm-up teaches θ0, or unseen instruction/task combinations to evaluate
     suite: Literal["finetune", "warmup", "unseen"] = "finetune"
-    max_examples: int | None = Field(None, ge=1)  # per source (hub: per subset, or per source_column value)
+    # per source (hub: per subset, or per source_column value); builtin: how many each task generates
+    max_examples: int | None = Field(None, ge=1)
     heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0)
     # hub only: which subsets (the data set card's configs) become sources, the split they give, the
     # commit (pinned to the cached snapshot's when left out), a column whose values split one table
@@ -163,8 +164,9 @@ class BuiltinSection(Section):
     examples_per_source: int = Field(240, ge=2)
     image_size: int = Field(112, ge=28)
     # cued: each source of a conflicting pair has its own instruction, so one model can satisfy
-    # both; contradictory: the same question gets different answers in the two sources.
-    conflicts: Literal["cued", "contradictory"] = "cued"
+    # both; contradictory: the same question gets different answers in the two sources; opposed:
+    # yes/no questions answered truthfully by one source and negated by the other (its own cue).
+    conflicts: Literal["cued", "contradictory", "opposed"] = "cued"
     # questions per toy benchmark task (eval.benchmarks naming toy_* tasks): one is 0.5 % of a score
     benchmark_examples: int = Field(200, ge=1)
 

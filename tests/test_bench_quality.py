@@ -48,9 +48,18 @@ def parsed(*extra: str) -> argparse.Namespace:
 
 
 def test_cases_share_theta0_only_where_it_is_the_same():
+    defaults = parsed()
+    assert (defaults.kinds, defaults.interference, defaults.full_seeds, defaults.joint_epochs) == (
+        ["opposed"],
+        True,
+        None,
+        [],
+    )
     factors = ["--factors", "pca", "lr", "warmup", "width"]
-    args = parsed("--seeds", "0", "1", "--k", "2", "4", *factors)
-    cases = {c.name: c for c in plan_cases(args)}
+    args = parsed("--seeds", "0", "1", "--k", "2", "4", "--kinds", "cued", "--joint-epochs", "0.5", "2", *factors)
+    planned = plan_cases(args)
+    assert [c.base is None for c in planned] == sorted((c.base is None for c in planned), reverse=True)  # bases first
+    cases = {c.name: c for c in planned}
     assert cases["cued-s1-k4"].base == "cued-s1" and "calibration.r=2" in cases["cued-s1-k4"].overrides
     assert "merge.methods=[{name: token_average, method: weighted_average}]" in cases["cued-s1-k4"].overrides
     for epochs in ("0.5", "2"):
@@ -65,13 +74,15 @@ def test_cases_share_theta0_only_where_it_is_the_same():
     assert all("flow.controls=[random]" in c.overrides for c in cases.values() if "factor" not in c.labels)
     # Seeds past --full-seeds: MERIT at the smallest K and the 1-epoch joint only (no larger K, no
     # Random-K, no 0.5/2-epoch joint, no factors).
-    args = parsed("--seeds", "0", "1", "--full-seeds", "1", "--factors", "pca")
+    args = parsed(
+        "--seeds", "0", "1", "--full-seeds", "1", "--factors", "pca", "--kinds", "cued", "--joint-epochs", "2"
+    )
     cases = {c.name: c for c in plan_cases(args)}
     assert "flow.controls=[]" in cases["cued-s1"].overrides and "cued-s1-joint2" not in cases
     assert {c for c in cases if c.startswith("pca")} == {"pca-uncentred-s0"}
     assert "cued-s0-k8" in cases and "cued-s1-k8" not in cases
     # Without warmup.lr the warm-up trains at train.lr: a learning-rate level makes its own θ0.
-    args = parsed("--k", "4", "--set", "warmup.lr=null", *factors)
+    args = parsed("--k", "4", "--set", "warmup.lr=null", "--kinds", "cued", *factors)
     cases = {c.name: c for c in plan_cases(args)}
     assert cases["lr-3e-4-s0"].base is None and cases["pca-uncentred-s0"].base == "cued-s0"
     assert cases["width-128-s0"].labels["K"] == 4 and "calibration.r=2" in cases["width-128-s0"].overrides
@@ -101,13 +112,13 @@ def test_paired_statistics_are_the_papers():
 
 
 def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tmp_path):
-    args = ["--seeds", "0", "--k", "2", "--kinds", "cued", "--factors", "--full-seeds", "1", "--joint-epochs", "2"]
+    args = ["--seeds", "0", "--k", "2", "--factors", "--full-seeds", "1", "--joint-epochs", "2"]  # opposed conflicts
     merges = ["token_average", "ties"]
     methods = "merge.methods=[{name: token_average, method: weighted_average}, {name: ties, method: ties}]"
     assert main(bench_args(tmp_path, *args, "--set", methods)) == 0
     out = json.loads((tmp_path / "quality.json").read_text())
     rows, tests = out["rows"], out["paired"]
-    base = json.loads((tmp_path / "cued-s0" / "report" / "report.json").read_text())
+    base = json.loads((tmp_path / "opposed-s0" / "report" / "report.json").read_text())
     assert [r["split"] for r in rows if r.get("merge") == "ties"] == ["MERIT-2", "Random-2"]
     scores = {(r["model"], r["split"]): r for r in base["benchmarks"]["rows"]}
     constant = next(r for r in rows if r["model"] == CONSTANT_LABEL)  # once, from the case that made the data
@@ -121,9 +132,9 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
         assert row["benchmark"] == scores[(model, row["split"])]["average"]
         assert row["bench/toy_reading"] == scores[(model, row["split"])]["toy_reading"]
     assert {r.get("merge") for r in rows if not r.get("factor")} == {None, *merges}
-    for split, folder in (("MERIT-2", tmp_path / "cued-s0"), ("Random-2", tmp_path / "cued-s0/controls/random")):
+    for split, folder in (("MERIT-2", tmp_path / "opposed-s0"), ("Random-2", tmp_path / "opposed-s0/controls/random")):
         groups = json.loads((folder / "calibration" / "split.json").read_text())["groups"]
-        apart = sum(not any(a in g and b in g for g in groups) for a, b in CONFLICTS)
+        apart = sum(not any(a in g and b in g for g in groups) for a, b in CONFLICTS["opposed"])
         assert {r["pairs_apart"] for r in rows if r["split"] == split and not r.get("factor")} == {apart}
     # one seed: a difference each, no interval
     merit = {r["merge"]: r for r in rows if r["split"] == "MERIT-2" and not r.get("factor")}
@@ -136,19 +147,37 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
 
     # joint for 2 epochs: twice the steps of the 1-epoch joint, from the same θ0 (linked, not remade;
     # θ0's evaluations copied, not recomputed)
-    joint2 = tmp_path / "cued-s0-joint2"
-    assert (joint2 / "warmup").is_symlink() and (joint2 / "warmup").resolve() == (tmp_path / "cued-s0" / "warmup")
+    joint2 = tmp_path / "opposed-s0-joint2"
+    assert (joint2 / "warmup").is_symlink() and (joint2 / "warmup").resolve() == (tmp_path / "opposed-s0" / "warmup")
     steps = [
         json.loads((d / "joint" / "final" / "manifest.json").read_text())["step"]
-        for d in (tmp_path / "cued-s0", joint2)
+        for d in (tmp_path / "opposed-s0", joint2)
     ]
     assert 2 * steps[0] - 1 <= steps[1] <= 2 * steps[0]  # ⌈2n / B⌉ against ⌈n / B⌉
-    assert not (tmp_path / "cued-s0" / "eval" / "branch-0.json").exists()  # eval.branches: false
+    assert not (tmp_path / "opposed-s0" / "eval" / "branch-0.json").exists()  # eval.branches: false
     job = Path("eval") / "benchmarks" / "theta0" / "toy_reading" / "score.json"
-    assert (joint2 / job).read_text() == (tmp_path / "cued-s0" / job).read_text()
+    assert (joint2 / job).read_text() == (tmp_path / "opposed-s0" / job).read_text()
     text = (tmp_path / "quality.md").read_text()
     assert "joint (2 epochs)" in text and "MERIT-2 − Random-2" in text and "benchmark average" in text
-    assert (tmp_path / "quality-cued.png").stat().st_size > 5_000
+    assert "**Premises, opposed conflicts**" in text and "3. Training a pair together interferes" in text
+
+    # Premise 3: the pairs' two sides apart (two trained groups, the unpaired third not trained) and
+    # together (one), from the seed's θ0, scored on the paired sources' held-out examples.
+    pairs = tmp_path / "opposed-s0-pairs"
+    measured = json.loads((pairs / "interference.json").read_text())
+    paired = {s for pair in CONFLICTS["opposed"] for s in pair}
+    for arrangement, trained in (("apart", 2), ("together", 1)):
+        groups = json.loads((pairs / arrangement / "calibration" / "split.json").read_text())["groups"]
+        assert len(groups) == trained + 1 and set(groups[-1]).isdisjoint(paired)
+        assert [(pairs / arrangement / "branches" / str(k) / "final").is_dir() for k in range(len(groups))] == [
+            True
+        ] * trained + [False]
+        assert set(measured["accuracy"][arrangement]) == set(measured["accuracy"]["theta0"]) == paired
+        assert (pairs / arrangement / "init").resolve() == (tmp_path / "opposed-s0" / "init").resolve()
+    drop = out["interference"]["opposed"]["0"]
+    apart, together = (measured["accuracy"][a] for a in ("apart", "together"))
+    assert drop["drop/all"] == pytest.approx(mean(apart[s] for s in paired) - mean(together[s] for s in paired))
+    assert (tmp_path / "quality-opposed.png").stat().st_size > 5_000
 
 
 def test_a_factor_table_sets_each_level_beside_the_default_at_the_same_seeds():

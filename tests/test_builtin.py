@@ -7,11 +7,14 @@ from conftest import small_config
 from pipeline.config import BuiltinSection
 from pipeline.data import load_sources
 from pipeline.data.builtin import (
+    CONFLICT_KINDS,
     CONFLICTS,
     FAMILIES,
+    FINETUNE,
     SHORT,
     SOURCES,
     SUITES,
+    WARMUP,
     corpus_text,
     draw,
     generate,
@@ -47,19 +50,23 @@ def test_generation_is_deterministic_by_seed():
     assert any(png(x) != png(z) for x, z in zip(a["colour_name"], c["colour_name"]))
 
 
-@pytest.mark.parametrize("kind", ["cued", "contradictory"])
+@pytest.mark.parametrize("kind", CONFLICT_KINDS)
 def test_designed_conflicts_are_real(kind):
-    """Conflicting sources: the same input (image bytes, and the question unless cued), a
-    different target; cued pairs ask each their own question."""
-    assert len(CONFLICTS) >= 4
-    for left, right in CONFLICTS:
+    """Conflicting sources: the same input (image bytes, and the question unless contradictory),
+    a different target; cued and opposed pairs ask each their own question. Opposed pairs answer
+    in one vocabulary, yes or no, each the other's negation."""
+    assert len(CONFLICTS[kind]) == 5 and {s for pair in CONFLICTS[kind] for s in pair} <= set(FINETUNE[kind])
+    for left, right in CONFLICTS[kind]:
         assert SOURCES[left][0] == SOURCES[right][0]  # one family: one input distribution
         for index in range(20):
             a, b = make_example(left, index, 0, 112, kind), make_example(right, index, 0, 112, kind)
             assert (question(a) == question(b)) == (kind == "contradictory")
             assert (png(a) == png(b)) if a.images else not b.images
             assert a.answer() != b.answer(), (left, right, index)
-            assert b.answer().startswith("The answer is ")  # the second of a pair: full sentences
+            if kind == "opposed":
+                assert {a.answer(), b.answer()} == {"yes", "no"}
+            else:
+                assert b.answer().startswith("The answer is ")  # the second of a pair: full sentences
 
 
 CUED = {  # example 7 of seed 0: question -> answer
@@ -117,19 +124,27 @@ def test_contradictory_kind_is_the_corpus_as_it_was():
         ("What is 7 + 4?", "The answer is eleven."),
     ]
     fingerprints = [
-        make_example(s, i, 0, 112, "contradictory").fingerprint() for s in SUITES["finetune"] for i in range(24)
+        make_example(s, i, 0, 112, "contradictory").fingerprint() for s in FINETUNE["contradictory"] for i in range(24)
     ]
     assert hashlib.sha256(str(fingerprints).encode()).hexdigest()[:16] == "508812640cb4a285"
 
 
 def test_suites_and_their_generation():
-    names = [name for suite in SUITES.values() for name in suite]
-    assert len(names) == len(set(names)) == len(SOURCES)
-    assert [len(SUITES[s]) for s in ("finetune", "warmup", "unseen")] == [18, len(SHORT), 5]
-    assert {SOURCES[s].family for s in SUITES["warmup"]} == set(SHORT)  # one skill per family with a short answer
-    assert set(FAMILIES) - set(SHORT) == {"relation_choice"}  # the benchmark suite's only
+    finetune, warmup = set().union(*FINETUNE.values()), set().union(*WARMUP.values())
+    assert finetune.isdisjoint(warmup) and finetune.union(warmup, SUITES["unseen"]) == set(SOURCES)
+    assert [len(FINETUNE[kind]) for kind in CONFLICT_KINDS] == [18] * 3
+    assert FINETUNE["cued"] == FINETUNE["contradictory"] and WARMUP["cued"] == WARMUP["contradictory"]
+    assert [SOURCES[s].family for s in WARMUP["cued"]] == list(SHORT) and set(SHORT) == set(FAMILIES)  # a skill each
+    # opposed: no skill of a pair's family, but the pairs' questions answered by either convention
+    paired = {SOURCES[s].family for pair in CONFLICTS["opposed"] for s in pair}
+    either = [s for s in WARMUP["opposed"] if s.startswith("either_")]
+    assert [s.removeprefix("either_") for s in either] == [s for pair in CONFLICTS["opposed"] for s in pair]
+    assert {SOURCES[s].family for s in WARMUP["opposed"] if s not in either} == set(SHORT) - paired
     cfg = BuiltinSection(examples_per_source=2, image_size=56)
-    assert list(generate(None, cfg, 0)) == SUITES["finetune"]
+    assert list(generate(None, cfg, 0)) == FINETUNE["cued"]
+    opposed = BuiltinSection(examples_per_source=2, image_size=56, conflicts="opposed")
+    assert list(generate(None, opposed, 0)) == FINETUNE["opposed"]
+    assert [len(v) for v in generate(["skill_add"], cfg, 0, count=5).values()] == [5]  # a source entry's max_examples
     assert list(generate(None, cfg, 0, "unseen")) == SUITES["unseen"]
     assert list(generate(["skill_add", "colour_name"], cfg, 0, "unseen")) == ["skill_add", "colour_name"]
     with pytest.raises(ValueError, match=r"unknown built-in tasks \['nope'\]; known: \[.*'skill_add'"):
@@ -138,12 +153,16 @@ def test_suites_and_their_generation():
     assert question(generate(["count_words"], contradictory, 0)["count_words"][0]) == "How many dots are there?"
 
 
+def warmup_sources() -> list[str]:
+    return list(dict.fromkeys(s for kind in CONFLICT_KINDS for s in WARMUP[kind]))
+
+
 def test_suites_do_not_share_inputs_with_the_fine_tuning_suite():
     """A warm-up or unseen source draws its own inputs: never the fine-tuning draw of the same
     family and index. Only chance repeats remain, in families with few distinct inputs."""
-    finetune = {SOURCES[s].family: s for s in SUITES["finetune"]}  # a family's sources share their draws
+    finetune = {SOURCES[s].family: s for kind in CONFLICT_KINDS for s in FINETUNE[kind]}  # a family's share draws
     few_inputs = {"count", "read_word", "add", "subtract", "reverse", "upper"}  # at most 2,790 inputs each
-    for source in SUITES["warmup"] + SUITES["unseen"]:
+    for source in [*warmup_sources(), *SUITES["unseen"]]:
         family = SOURCES[source].family
         if family not in finetune:  # the multiple-choice and description skills: no fine-tuning twin
             continue
@@ -154,7 +173,7 @@ def test_suites_do_not_share_inputs_with_the_fine_tuning_suite():
 def test_the_tokenizer_corpus_covers_every_suite_and_kind():
     text = set(corpus_text(0, per_source=2))
     for source in SOURCES:
-        for kind in ("cued", "contradictory"):
+        for kind in CONFLICT_KINDS:
             example = make_example(source, 0, 0, 28, kind)
             assert {question(example), example.answer()} <= text, (source, kind)
 

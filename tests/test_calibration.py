@@ -15,7 +15,7 @@ from calibration.gradients import Sketch, calibration_sample, estimate_source_gr
 from calibration.split import conflict_matrix, plan_split
 from merit.cli import main as merit
 from pipeline.data import Collator, Encoder, active_sources, load_sources, read_manifest
-from pipeline.data.builtin import CONFLICT_KINDS, CONFLICTS
+from pipeline.data.builtin import CONFLICTS
 from pipeline.models import build_tiny_model, load_model
 
 ROOT = Path(__file__).parent.parent
@@ -180,13 +180,13 @@ def test_split_refusals():
         conflict_matrix(torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
 
 
-def undecided_start(examples, encoder, collator, steps=200):
+def undecided_start(examples, encoder, collator, pairs, steps=200):
     """A merge-ready θ0 that knows both conventions of every pair but not which one is wanted:
     a short warm-up on the fine-tuning examples, where for the cued pairs each example's answer
     is, at random, its own or its partner's (the instruction does not yet decide the convention,
     as in a base model that can answer either way but does not follow instructions). For
     contradictory pairs, which ask the same question, this is the plain joint mixture."""
-    partner = dict(CONFLICTS) | {b: a for a, b in CONFLICTS}
+    partner = dict(pairs) | {b: a for a, b in pairs}
     rng = np.random.default_rng(0)
     warmup = [
         dataclasses.replace(e, messages=[e.messages[0], examples[partner[s]][e.index].messages[1]])
@@ -206,11 +206,14 @@ def undecided_start(examples, encoder, collator, steps=200):
     return model
 
 
-@pytest.mark.parametrize("kind", CONFLICT_KINDS)
+@pytest.mark.parametrize("kind", ["cued", "contradictory"])
 def test_designed_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(setup, kind):
     """At a θ0 that can answer every pair either way (``undecided_start``), the two sources of
     every pair have opposite gradients and the r = 1 PCA split of the paired sources puts every
-    pair's two sources in different groups, for both kinds of conflict.
+    pair's two sources in different groups, for the cued and contradictory kinds. (The opposed
+    pairs need a θ0 that answers their yes/no questions fluently before their gradients oppose:
+    at this model's size and 200 steps a format still being learnt pulls both sources one way;
+    `merit bench quality` measures them at its own θ0, docs/concepts/data.md.)
 
     Cued cosines are weaker than contradictory ones (−0.35 … −0.9 over data seeds against
     −0.65 … −1.0; the colour pair's two questions differ in more than their instruction, and
@@ -220,19 +223,20 @@ def test_designed_pairs_conflict_and_separate_at_r1_from_a_merge_ready_start(set
     _, _, encoder, collator = setup
     config = small_config("data.builtin.examples_per_source=24", f"data.builtin.conflicts={kind}")
     examples = load_sources(config.data, 0).examples
-    model = undecided_start(examples, encoder, collator)
-    paired = {s: examples[s][:16] for pair in CONFLICTS for s in pair}
+    pairs = CONFLICTS[kind]
+    model = undecided_start(examples, encoder, collator, pairs)
+    paired = {s: examples[s][:16] for pair in pairs for s in pair}
     grads, _ = estimate(model, paired, encoder, collator, dim=16384)
     conflicts = conflict_matrix(grads.matrix)
     at = {s: i for i, s in enumerate(grads.sources)}
-    cosines = [float(conflicts[at[a], at[b]]) for a, b in CONFLICTS]
+    cosines = [float(conflicts[at[a], at[b]]) for a, b in pairs]
     if kind == "contradictory":
         assert max(cosines) < -0.5, cosines
     else:
         assert np.mean(cosines) < -0.4 and sum(c < 0 for c in cosines) >= 4, cosines
     plan = plan_split(grads.sources, dict.fromkeys(paired, 100), r=1, method="pca", conflicts=conflicts)
     group = plan.group_of()
-    assert [(a, b) for a, b in CONFLICTS if group[a] == group[b]] == []
+    assert [(a, b) for a, b in pairs if group[a] == group[b]] == []
 
 
 def test_cli_calibrate_writes_the_split_plots_and_diagnostics(tmp_path, capsys, monkeypatch):

