@@ -63,7 +63,7 @@ def pair_cosines(run_dir: Path, kind: str) -> dict[str, Any] | None:
         if k != "designed":
             lowest = min(lowest, (cosine[i][j], sources[i], sources[j]))
     means = {k: mean(v) for k, v in by_kind.items() if v}
-    return {"means": means, "designed": by_kind["designed"], "lowest_other": list(lowest)}
+    return {"means": means, "by_kind": by_kind, "lowest_other": list(lowest)}
 
 
 def interference_groups(kind: str, sources: list[str]) -> dict[str, list[list[str]]]:
@@ -216,6 +216,34 @@ def interference_table(drops: dict[int, dict[str, float]]) -> tuple[str, bool]:
         "> 0 at every seed",
     ]
     return markdown_table(headers, table), holds
+
+
+def plot_pair_cosines(cosines: dict[int, dict[str, Any]], path: Path) -> Path:
+    """Premise 2 as a picture: every pair's cosine in C by kind of pair, one column of points per
+    seed within a kind, each kind's mean as a bar across its seeds and the bound as a line."""
+    import matplotlib.pyplot as plt
+
+    from pipeline.figures import save_figure
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    seeds = sorted(cosines)
+    width = 0.8 / max(1, len(seeds))
+    for x, kind in enumerate(PAIR_KINDS):
+        values = [v for s in seeds for v in cosines[s]["by_kind"].get(kind, [])]
+        for i, seed in enumerate(seeds):
+            points = cosines[seed]["by_kind"].get(kind, [])
+            at = x - 0.4 + width * (i + 0.5)
+            colour = "tab:red" if kind == "designed" else "tab:blue"
+            ax.scatter([at] * len(points), points, s=10, alpha=0.6, color=colour, label=None)
+        if values:
+            ax.hlines(mean(values), x - 0.4, x + 0.4, color="black", linewidth=2)
+    ax.axhline(COSINE_BOUND, color="tab:red", linestyle="--", linewidth=1, label=f"bound {COSINE_BOUND}")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xticks(range(len(PAIR_KINDS)), PAIR_KINDS)
+    ax.set_ylabel("cosine of the two sources' gradients at θ0")
+    ax.set_title(f"Pairs of sources by kind: seeds {', '.join(map(str, seeds))} left to right; bar: mean")
+    ax.legend(loc="upper right", fontsize=8)
+    return save_figure(fig, path)
 
 
 def barrier_table(rows: list[dict[str, Any]]) -> str:

@@ -400,6 +400,8 @@ def premise_sections(
         smallest = min(r["K"] for r in mine if "K" in r)
         seeds = sorted({r["seed"] for r in mine})
         cosines = {s: c for s in seeds if (c := premises.pair_cosines(workdir / f"{kind}-s{s}", kind))}
+        if cosines:
+            premises.plot_pair_cosines(cosines, workdir / f"premises-{kind}.png")
         apart = {r["seed"]: r["pairs_apart"] for r in mine if r["split"] == f"MERIT-{smallest}"}
         sections = [
             ("1. θ0 knows things", premises.knowledge_table(mine, CONSTANT_LABEL)),
@@ -498,4 +500,4 @@ def main(args: argparse.Namespace) -> None:
             [a for a in agg if not a.get("joint_epochs") and a["K"] == smallest], workdir / f"quality-{kind}.png"
         )
     print("\n".join(text))
-    print(f"\nwritten: {workdir / 'quality.md'}, quality.json, quality-<kind>.png")
+    print(f"\nwritten: {workdir / 'quality.md'}, quality.json, quality-<kind>.png, premises-<kind>.png")

@@ -34,14 +34,15 @@ def test_pair_cosines_average_each_kind_of_pair(tmp_path, monkeypatch):
     assert got["means"] == pytest.approx(
         {"designed": -0.8, "same side": 0.4, "opposite sides": -0.3, "with an unpaired source": -0.05}
     )
-    assert got["lowest_other"] == [-0.5, "a_neg", "u"]
+    assert got["lowest_other"] == [-0.5, "a_neg", "u"] and got["by_kind"]["designed"] == [-0.9, -0.7]
+    assert premises.plot_pair_cosines({0: got, 1: got}, tmp_path / "p.png").stat().st_size > 5_000
     assert premises.pair_cosines(tmp_path / "nowhere", "test") is None
 
 
 def test_the_conflict_premise_needs_every_condition_at_every_seed():
     def seed(designed, other, apart):
         means = {"designed": designed, "same side": 0.2, "opposite sides": other, "with an unpaired source": 0.0}
-        return {"means": means, "designed": [designed], "lowest_other": [other, "x", "y"]}
+        return {"means": means, "by_kind": {"designed": [designed]}, "lowest_other": [other, "x", "y"]}
 
     table, holds = premises.conflict_table({0: seed(-0.5, -0.2, 5), 1: seed(-0.4, -0.1, 5)}, {0: 5, 1: 5}, 5)
     assert holds and table.count("| yes |") == 2
