@@ -1,20 +1,24 @@
 """``merit bench quality``: does the conflict-aware split pay off, judged as the MERIT paper judges
-it? On the built-in corpus: θ0, the joint baseline after 0.5, 1 and 2 epochs, and each merge on
-MERIT's split beside the same merge on a Random-K split, for K = 2, 4, 8, scored on the toy
-benchmark suite through lmms-eval (the headline: the benchmark average, as the paper's Table 2),
-with the fine-tuning sources' held-out loss and accuracy as secondary columns. Per seed, with the
-same θ0 and data: MERIT − Random and MERIT − joint, their mean with a 95 % interval and a
-one-sided paired Wilcoxon p, as the paper reports them. Then factors, one at a time from the
-base cases: calibration's PCA (centred or not) and balance (samples or tokens), and optionally
-how merge-ready θ0 is, the branches' learning rate and epochs, the model's width.
+it, on a toy where the paper's premises are measured first? Per kind of designed conflict (by
+default ``opposed``) and seed: the four premises (:mod:`benchmarks.premises`: θ0 above each task's
+constant answer, the designed pairs' cosines in C and the split, interference of a pair trained
+together, the loss barrier), then θ0, the joint baseline (1 epoch, the branches' budget; other
+budgets with ``--joint-epochs``) and each merge on MERIT's split beside the same merge on a
+Random-K split, for K = 2, 4, 8, scored on the toy benchmark suite through lmms-eval (the
+headline: the benchmark average, as the paper's Table 2), with the fine-tuning sources' held-out
+loss and accuracy as secondary columns. Per seed, with the same θ0 and data: MERIT − Random and
+MERIT − joint, their mean with a 95 % interval and a one-sided paired Wilcoxon p, as the paper
+reports them. Optionally factors, one at a time from the base cases: calibration's PCA (centred
+or not) and balance (samples or tokens), LoRA, how merge-ready θ0 is, the branches' learning
+rate and epochs, the model's width.
 
 Every case is the real flow (Prefect, DeepSpeed branches, the merge library, held-out evaluation,
 lmms-eval) on a run directory of its own under ``--workdir``; a case that changes neither data
-nor θ0 links to its base case's. Every seed runs the smallest K (every merge of the config) and
-the 1-epoch joint baseline; the first ``--full-seeds`` seeds also run the larger K (the
-token-weighted average only, MERIT's merge), the Random-K control and the 0.5- and 2-epoch joint
-baselines (a K = 8 case costs about as much as the smallest K's with its control). A finished case is not
-recomputed: rerunning the bench after an interruption continues it.
+nor θ0 links to its base case's. Every seed runs the smallest K (every merge of the config), its
+Random-K control and the 1-epoch joint baseline first, then the larger K (the token-weighted
+average only, MERIT's merge, and its Random-K); ``--full-seeds N`` keeps the larger K, the
+control and the other joint budgets to the first N seeds. A finished case is not recomputed:
+rerunning the bench after an interruption continues it.
 """
 
 from __future__ import annotations
