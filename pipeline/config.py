@@ -118,8 +118,9 @@ class SourceSpec(Section):
     path: str | None = None  # hub: the data set's id (ORG/NAME) or a folder holding its files
     images_dir: str | None = None
     tasks: list[str] | None = None  # builtin / vision_flan: keep only these tasks
-    # builtin, without tasks: which of its suites (pipeline.data.builtin.SUITES): the fine-tuning
-    # sources, the skills a warm-up teaches θ0, or unseen instruction/task combinations to evaluate
+    # builtin, without tasks: which of its suites (pipeline.data.builtin.suite_sources): the fine-tuning
+    # sources, the skills a warm-up teaches θ0 (both by data.builtin.conflicts), or unseen
+    # instruction/task combinations to evaluate
     suite: Literal["finetune", "warmup", "unseen"] = "finetune"
     # per source (hub: per subset, or per source_column value); builtin: how many each task generates
     max_examples: int | None = Field(None, ge=1)
