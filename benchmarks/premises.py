@@ -23,9 +23,9 @@ from statistics import mean, stdev
 from typing import Any
 
 from pipeline.checkpoint import write_json_atomic
-from pipeline.config import load_config
+from pipeline.config import RunConfig, load_config
 from pipeline.controls import linked_run
-from pipeline.data.builtin import CONFLICTS
+from pipeline.data.builtin import CONFLICTS, FINETUNE
 from pipeline.layout import CALIBRATION
 from pipeline.report import markdown_table
 
@@ -79,8 +79,8 @@ def measure_interference(config: str, overrides: list[str], base: Path, folder: 
     """Premise 3 for one seed: train the paired groups of :func:`interference_groups` from the base
     case's θ0 and score each paired source's held-out accuracy in the branch that trained it.
     Kept in ``folder/interference.json``; a finished measurement is read back."""
+    # Imported here, as the quality bench imports its flows: `merit bench` starts without them.
     from calibration.stage import calibrate
-    from pipeline.data.builtin import FINETUNE
     from pipeline.train.launch import train_branch
     from pipeline.train.plan import group_specs
 
@@ -106,7 +106,7 @@ def measure_interference(config: str, overrides: list[str], base: Path, folder: 
     return result
 
 
-def _heldout_accuracy(cfg: Any, run_dir: Path, checkpoint: Path, sources: list[str]) -> dict[str, float]:
+def _heldout_accuracy(cfg: RunConfig, run_dir: Path, checkpoint: Path, sources: list[str]) -> dict[str, float]:
     """Exact-match accuracy of a checkpoint on the held-out examples of ``sources``."""
     from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles
     from pipeline.models.loading import load_model, load_processor

@@ -22,6 +22,7 @@ from pipeline.eval.benchmarks import CONSTANT
 ROOT = Path(__file__).parent.parent
 SIZES = [
     "data.builtin.examples_per_source=12",
+    "warmup.sources.0.max_examples=12",  # the shipped warm-up generates 1,200 a skill
     "calibration.n_per_source=4",
     "warmup.steps=4",
     "train.micro_batch=4",
