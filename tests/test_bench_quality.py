@@ -16,7 +16,9 @@ from scipy import stats
 
 from benchmarks.quality import CONSTANT_LABEL, add_arguments, aggregate, factor_table, paired, plan_cases
 from merit.cli import main
-from pipeline.data.builtin import CONFLICTS
+from pipeline.config import load_config
+from pipeline.data import load_sources
+from pipeline.data.builtin import CONFLICTS, FINETUNE, SHORT
 from pipeline.eval.benchmarks import CONSTANT
 
 ROOT = Path(__file__).parent.parent
@@ -213,3 +215,15 @@ def test_a_factor_table_sets_each_level_beside_the_default_at_the_same_seeds():
     table = factor_table(rows, "pca", base)
     assert "| default | 2 | 10.0 |  | 25.0 | 1.000 | 4.0 |" in table
     assert "| uncentred | 2 |  |  | 15.0 | 2.000 | 3.0 |" in table
+
+
+def test_the_earlier_testbed_config_still_loads_as_it_ran():
+    """configs/benchmark-cued.yaml: the quality bench's setting until 2026-12-03 (cued pairs, the
+    0.2 M model, a 300-step warm-up on the 15 skills of then), its sources generated at 4 examples."""
+    cfg = load_config(ROOT / "configs/benchmark-cued.yaml", ["data.builtin.examples_per_source=4"])
+    assert (cfg.data.builtin.conflicts, cfg.model.tiny.hidden_size, cfg.warmup.steps) == ("cued", 64, 300)
+    loaded = load_sources(cfg.data, cfg.run.seed, cfg.warmup.sources, cfg.eval.sources)
+    skills = [name for name, role in loaded.roles.items() if role == "warmup" and name in loaded.examples]
+    new = {"shape_check", "side_check", "count_check", "sum_check", "read_placed", "count_add", "relation_choice"}
+    assert skills == [f"skill_{family}" for family in SHORT if family not in new]
+    assert [n for n, r in loaded.roles.items() if r == "finetune" and n in loaded.examples] == FINETUNE["cued"]
