@@ -38,6 +38,12 @@ SMALL = [
 ]
 
 
+def completes(flow, run_dir: Path, settings: list[str]) -> None:
+    """Run a flow on the demo config with ``settings``; it must complete."""
+    state = flow(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+
+
 def same_tensors(folder: Path, theta0: CheckpointReader) -> None:
     out = CheckpointReader(folder)
     assert {n: i.shape for n, i in out.info.items()} == {n: i.shape for n, i in theta0.info.items()}
@@ -54,8 +60,7 @@ def test_merit_on_a_tiny_qwen3_5_moe_runs_every_stage(prefect_api, tmp_path):
         "train.checkpoint_every=4",
         "merge.methods=[{name: token_average, method: weighted_average}, {name: iso_c, method: iso_c}]",
     ]
-    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    completes(merit, run_dir, settings)
     theta0 = CheckpointReader(run_dir / "init")
     sketched = json.loads((run_dir / "calibration" / "gradients.json").read_text())["parameters"]
     blocks = {n: i for n, i in theta0.info.items() if n.startswith("model.language_model.layers.")}
@@ -90,8 +95,7 @@ def test_diloco_from_a_hub_shaped_qwen3_vl_moe_keeps_every_tensor(prefect_api, t
         "diloco.eval_every=0",
         "diloco.methods=[{name: iso, method: iso_c, outer_lr: 1.0, outer_momentum: 0.0}]",
     ]
-    state = diloco(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    completes(diloco, run_dir, settings)
     theta0 = CheckpointReader(built)  # transformers' layout, which the globals are written in
     final = run_dir / "diloco" / "iso-iid" / "global" / "2"  # variant: the method and the shards
     same_tensors(final, theta0)
@@ -104,8 +108,7 @@ def test_diloco_from_a_hub_shaped_qwen3_vl_moe_keeps_every_tensor(prefect_api, t
 def test_merit_on_a_tiny_internvl_runs_every_stage_and_lmms_eval_scores_it(prefect_api, tmp_path):
     run_dir = tmp_path / "run"
     settings = [*SMALL, "model.name_or_path=tiny:internvl", "calibration.n_per_source=4", "train.steps=2"]
-    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    completes(merit, run_dir, settings)
     theta0 = CheckpointReader(run_dir / "init")
     assert any(n.startswith("vision_tower.") for n in theta0.info)  # the hub's layout, as transformers saves it
     for folder in (run_dir / "merged").iterdir():
@@ -136,8 +139,7 @@ def test_merit_then_diloco_on_a_dense_qwen3_family_runs_every_stage(prefect_api,
         "diloco.eval_every=0",
         "diloco.methods=[{name: iso, method: iso_c, outer_lr: 1.0, outer_momentum: 0.0}]",
     ]
-    state = merit(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    completes(merit, run_dir, settings)
     theta0 = CheckpointReader(run_dir / "init")
     merged = run_dir / "merged" / "token_average"
     same_tensors(merged, theta0)
@@ -145,8 +147,7 @@ def test_merit_then_diloco_on_a_dense_qwen3_family_runs_every_stage(prefect_api,
     score = json.loads((run_dir / "eval/benchmarks/merged-token_average/toy_perception/score.json").read_text())
     assert score["identity"]["model"] == "merit_qwen3_vl" and score["score"] is not None, score
 
-    state = diloco(config=DEMO, overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    completes(diloco, run_dir, settings)
     final = run_dir / "diloco" / "iso-iid" / "global" / "2"
     same_tensors(final, theta0)
     assert json.loads((final / "round.json").read_text())["tensors"] == len(theta0.info)
