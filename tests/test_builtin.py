@@ -13,7 +13,7 @@ from pipeline.data.builtin import (
     FINETUNE,
     SHORT,
     SOURCES,
-    SUITES,
+    UNSEEN,
     WARMUP,
     corpus_text,
     draw,
@@ -131,7 +131,7 @@ def test_contradictory_kind_is_the_corpus_as_it_was():
 
 def test_suites_and_their_generation():
     finetune, warmup = set().union(*FINETUNE.values()), set().union(*WARMUP.values())
-    assert finetune.isdisjoint(warmup) and finetune.union(warmup, SUITES["unseen"]) == set(SOURCES)
+    assert finetune.isdisjoint(warmup) and finetune.union(warmup, UNSEEN) == set(SOURCES)
     assert [len(FINETUNE[kind]) for kind in CONFLICT_KINDS] == [18] * 3
     assert FINETUNE["cued"] == FINETUNE["contradictory"] and WARMUP["cued"] == WARMUP["contradictory"]
     assert [SOURCES[s].family for s in WARMUP["cued"]] == list(SHORT) and set(SHORT) == set(FAMILIES)  # a skill each
@@ -145,7 +145,7 @@ def test_suites_and_their_generation():
     opposed = BuiltinSection(examples_per_source=2, image_size=56, conflicts="opposed")
     assert list(generate(None, opposed, 0)) == FINETUNE["opposed"]
     assert [len(v) for v in generate(["skill_add"], cfg, 0, count=5).values()] == [5]  # a source entry's max_examples
-    assert list(generate(None, cfg, 0, "unseen")) == SUITES["unseen"]
+    assert list(generate(None, cfg, 0, "unseen")) == UNSEEN
     assert list(generate(["skill_add", "colour_name"], cfg, 0, "unseen")) == ["skill_add", "colour_name"]
     with pytest.raises(ValueError, match=r"unknown built-in tasks \['nope'\]; known: \[.*'skill_add'"):
         generate(["nope"], cfg, 0)
@@ -162,7 +162,7 @@ def test_suites_do_not_share_inputs_with_the_fine_tuning_suite():
     family and index. Only chance repeats remain, in families with few distinct inputs."""
     finetune = {SOURCES[s].family: s for kind in CONFLICT_KINDS for s in FINETUNE[kind]}  # a family's share draws
     few_inputs = {"count", "read_word", "add", "subtract", "reverse", "upper"}  # at most 2,790 inputs each
-    for source in [*warmup_sources(), *SUITES["unseen"]]:
+    for source in [*warmup_sources(), *UNSEEN]:
         family = SOURCES[source].family
         if family not in finetune:  # the multiple-choice and description skills: no fine-tuning twin
             continue

@@ -7,7 +7,7 @@ from conftest import small_config
 
 from calibration.stage import calibrate
 from pipeline.data import Encoder, active_sources, load_split, prepare_data, read_manifest
-from pipeline.data.builtin import SUITES
+from pipeline.data.builtin import UNSEEN
 from pipeline.data.prepare import data_digest, heldout_indices
 from pipeline.diloco.plan import shards
 from pipeline.models import processor_for
@@ -122,7 +122,7 @@ def test_manifest_roles_and_eval_sources_held_out_whole(roles_run):
     sources = read_manifest(run_dir)["sources"]
     roles = {name: info["role"] for name, info in sources.items()}
     expected = dict.fromkeys(FINETUNE, "finetune") | dict.fromkeys(WARMUP, "warmup")
-    assert roles == expected | dict.fromkeys(SUITES["unseen"], "unseen") | {"skill_count": "retention"}
+    assert roles == expected | dict.fromkeys(UNSEEN, "unseen") | {"skill_count": "retention"}
     for name, info in sources.items():
         evaluated = roles[name] in ("unseen", "retention")
         assert info["heldout_indices"] == (list(range(12)) if evaluated else heldout_indices(12, 0.1, 0, name))

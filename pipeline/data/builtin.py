@@ -619,12 +619,12 @@ WARMUP: dict[str, list[str]] = {
     "contradictory": list(_WARMUP),
     "opposed": [*(s for s in _WARMUP if _WARMUP[s].family not in _OPPOSED_FAMILIES), *_EITHER],
 }
-SUITES: dict[str, list[str]] = {"unseen": list(_UNSEEN)}
+UNSEEN: list[str] = list(_UNSEEN)
 SOURCES: dict[str, Source] = _UNPAIRED | _STYLED | _OPPOSED | _WARMUP | _EITHER | _UNSEEN
 _SUITE_OF = (
     dict.fromkeys(_UNPAIRED | _STYLED | _OPPOSED, "finetune")
     | dict.fromkeys(_WARMUP | _EITHER, "warmup")
-    | dict.fromkeys(_UNSEEN, "unseen")
+    | dict.fromkeys(UNSEEN, "unseen")
 )
 
 # Pairs built to conflict, per kind: same family (same inputs), opposite answer conventions.
@@ -645,7 +645,9 @@ CONFLICT_KINDS: tuple[str, ...] = get_args(BuiltinSection.model_fields["conflict
 
 def suite_sources(suite: str, conflicts: str = "cued") -> list[str]:
     """The sources of a suite; the fine-tuning and warm-up suites' depend on the kind of conflict."""
-    return {"finetune": FINETUNE, "warmup": WARMUP}[suite][conflicts] if suite != "unseen" else SUITES[suite]
+    if suite == "unseen":
+        return UNSEEN
+    return {"finetune": FINETUNE, "warmup": WARMUP}[suite][conflicts]
 
 
 def draw(source: str, index: int, seed: int, image_size: int) -> Draw:
