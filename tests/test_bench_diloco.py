@@ -113,7 +113,8 @@ def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_
     payload = float(rows[0][2])
     assert sorted(read) == [1, 2] and payload > 1
     assert read[1] == pytest.approx(6 * payload, rel=0.02)
-    assert 0.5 * read[1] <= read[2] <= 0.6 * read[1]
+    printed = 0.1  # MB: both figures are rounded to it, so an even split can print below half
+    assert 0.5 * read[1] - printed <= read[2] <= 0.6 * read[1] + printed
     assert not any(tmp_path.iterdir())  # θ0 and the payloads went with the bench
 
 

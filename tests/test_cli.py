@@ -38,7 +38,7 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path, capsys, m
     run = merit("prepare", "--run-dir", str(tmp_path))  # the run directory's config from here on
     assert run.returncode == 0, run.stderr
     total = next(line for line in run.stdout.splitlines() if line.startswith("total"))
-    assert total.split()[1] == "380"  # 18 fine-tuning, 15 warm-up and 5 unseen sources x 10 examples
+    assert total.split()[1] == "450"  # 18 fine-tuning, 22 warm-up and 5 unseen sources x 10 examples
     roles = [line.split()[2] for line in run.stdout.splitlines()[2:-1]]
     assert (roles.count("finetune"), roles.count("warmup"), roles.count("unseen")) == (18, 22, 5)
     split = merit("calibrate", "--run-dir", str(tmp_path))

@@ -205,7 +205,7 @@ def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(fi
             assert row["vs_control"] == pytest.approx(row["average"] - rows[(model, "Random-2")]["average"])
     markdown = (run_dir / "report" / "report.md").read_text()
     assert markdown.split("\n## ")[1].startswith("Benchmarks")  # the first section
-    assert "sources: 18 fine-tuning, 15 warm-up (θ0), 5 unseen." in markdown  # by role, none dropped
+    assert "sources: 18 fine-tuning, 22 warm-up (θ0), 5 unseen." in markdown  # by role, none dropped
     assert "`toy_chat` (LLaVA-in-the-Wild)" in markdown and "Best merge on MERIT-2: **" in markdown
     assert "`toy_reasoning` is a group lmms-eval reports no aggregate for" in markdown
     assert "no score" not in markdown  # the judge's failures of the first run: redone
