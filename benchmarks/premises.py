@@ -20,7 +20,7 @@ import json
 from itertools import combinations
 from pathlib import Path
 from statistics import mean, stdev
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.checkpoint import write_json_atomic
 from pipeline.config import RunConfig, load_config
@@ -28,6 +28,9 @@ from pipeline.controls import linked_run
 from pipeline.data.builtin import CONFLICTS, FINETUNE
 from pipeline.layout import CALIBRATION
 from pipeline.report import markdown_table
+
+if TYPE_CHECKING:
+    from pipeline.eval.heldout import Heldout
 
 MARGIN = 10.0  # points above the constant answer that count as knowing a task
 COSINE_BOUND = -0.3  # the designed pairs' mean cosine at most this
@@ -81,6 +84,7 @@ def measure_interference(config: str, overrides: list[str], base: Path, folder: 
     Kept in ``folder/interference.json``; a finished measurement is read back."""
     # Imported here, as the quality bench imports its flows: `merit bench` starts without them.
     from calibration.stage import calibrate
+    from pipeline.eval.heldout import Heldout, source_roles
     from pipeline.train.launch import train_branch
     from pipeline.train.plan import group_specs
 
@@ -95,23 +99,24 @@ def measure_interference(config: str, overrides: list[str], base: Path, folder: 
         run_dir = linked_run(cfg, base, folder / arrangement)
         calibrate(cfg, run_dir)
         trained = group_specs(cfg, run_dir)[:-1]  # the unpaired sources' group is not trained
-        if "theta0" not in accuracy:  # where both arrangements start
-            accuracy["theta0"] = _heldout_accuracy(cfg, run_dir, Path(trained[0].init), paired)
+        if "theta0" not in accuracy:  # where both arrangements start; their held-out data is the base case's
+            full = Heldout.load(cfg, run_dir, source_roles(run_dir))
+            heldout = Heldout({s: full.examples[s] for s in paired}, {s: full.roles[s] for s in paired})
+            accuracy["theta0"] = _heldout_accuracy(cfg, heldout, Path(trained[0].init), paired)
         accuracy[arrangement] = {}
         for spec in trained:
             train_branch(spec, echo=False)
-            accuracy[arrangement] |= _heldout_accuracy(cfg, run_dir, Path(spec.out_dir) / "final", spec.sources)
+            accuracy[arrangement] |= _heldout_accuracy(cfg, heldout, Path(spec.out_dir) / "final", spec.sources)
     result = {"accuracy": accuracy, "pairs": [list(p) for p in CONFLICTS[kind]]}
     write_json_atomic(done, result)
     return result
 
 
-def _heldout_accuracy(cfg: RunConfig, run_dir: Path, checkpoint: Path, sources: list[str]) -> dict[str, float]:
+def _heldout_accuracy(cfg: RunConfig, heldout: Heldout, checkpoint: Path, sources: list[str]) -> dict[str, float]:
     """Exact-match accuracy of a checkpoint on the held-out examples of ``sources``."""
-    from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles
+    from pipeline.eval.heldout import Heldout, eval_device, score_model
     from pipeline.models.loading import load_model, load_processor
 
-    heldout = Heldout.load(cfg, run_dir, source_roles(run_dir))
     wanted = Heldout({s: heldout.examples[s] for s in sources}, {s: heldout.roles[s] for s in sources})
     model = load_model(checkpoint, cfg.model).to(eval_device(cfg)).eval()
     scored = score_model(cfg, model, load_processor(checkpoint, cfg.model), wanted, checkpoint.parent.name, True)
