@@ -135,11 +135,23 @@ def test_suites_and_their_generation():
     assert [len(FINETUNE[kind]) for kind in CONFLICT_KINDS] == [18] * 3
     assert FINETUNE["cued"] == FINETUNE["contradictory"] and WARMUP["cued"] == WARMUP["contradictory"]
     assert [SOURCES[s].family for s in WARMUP["cued"]] == list(SHORT) and set(SHORT) == set(FAMILIES)  # a skill each
-    # opposed: no skill of a pair's family, but the pairs' questions answered by either convention
+    # opposed: no skill of a pair's family, but the pairs' questions answered by either convention,
+    # and answered true or false
     paired = {SOURCES[s].family for pair in CONFLICTS["opposed"] for s in pair}
     either = [s for s in WARMUP["opposed"] if s.startswith("either_")]
     assert [s.removeprefix("either_") for s in either] == [s for pair in CONFLICTS["opposed"] for s in pair]
-    assert {SOURCES[s].family for s in WARMUP["opposed"] if s not in either} == set(SHORT) - paired
+    true_false = [s for s in WARMUP["opposed"] if s.endswith("_true_false")]
+    assert [SOURCES[s].family for s in true_false] == [SOURCES[a].family for a, _ in CONFLICTS["opposed"]]
+    assert {SOURCES[s].family for s in WARMUP["opposed"] if s not in either + true_false} == set(SHORT) - paired
+    answers = []
+    for source in true_false:
+        for i in range(8):
+            _, asked, facts = draw(source, i, 0, 56)
+            example = make_example(source, i, 0, 56, "opposed")
+            assert question(example) == f"{asked} Answer true or false."
+            answers.append(example.answer())
+            assert example.answer() == ("true" if facts["match"] else "false")
+    assert set(answers) == {"true", "false"}
     cfg = BuiltinSection(examples_per_source=2, image_size=56)
     assert list(generate(None, cfg, 0)) == FINETUNE["cued"]
     opposed = BuiltinSection(examples_per_source=2, image_size=56, conflicts="opposed")

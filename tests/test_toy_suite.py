@@ -194,7 +194,7 @@ def test_no_benchmark_image_or_reference_template_is_a_fine_tuning_or_warm_up_on
         for name, kind in sources.items()
         for i in range(cfg.data.builtin.examples_per_source)
     ]
-    assert len(trained) == 80 * (18 + 9 + 22 + 10)  # cued's, opposed's other 9, the skills, either_*
+    assert len(trained) == 80 * (18 + 9 + 22 + 10 + 5)  # cued's, opposed's other 9, the skills, either_*, *_true_false
     scenes = {scene for example in trained for scene in example.images}
     trained_images = {sha256(scene()) for scene in scenes}
     trained_templates = {template(example.answer()) for example in trained} - {None}

@@ -21,9 +21,10 @@ the first two of which depend on the kind of designed conflict (``data.builtin.c
   instruction: the conventions differ in nothing but the mapping from the truth to the answer.
 - ``warmup`` (:data:`WARMUP`): one skill per family, the plain question and a short answer: what
   a warm-up teaches θ0 (the toy's pre-training) before fine-tuning changes conventions and
-  formats. For ``opposed``, the pairs' questions in both pairs' words answered by either
-  convention at random instead of their families' skills: a θ0 that answers them yes or no but
-  follows neither instruction, where the two conventions' gradients oppose.
+  formats. For ``opposed``, instead of their families' skills, the pairs' questions in both
+  pairs' words answered by either convention at random, and the same questions answered ``true``
+  or ``false``: a θ0 that knows the truth and answers yes or no, but follows neither instruction,
+  where the two conventions' gradients oppose (each maps the truth θ0 knows to the other word).
 - ``unseen``: instruction and task combinations the fine-tuning suite never trains, to measure
   generalisation.
 
@@ -492,6 +493,10 @@ def _either(facts: Facts) -> str:
     return _yes_no(facts) if facts["convention"] else _negated(facts)
 
 
+def _true_false(facts: Facts) -> str:
+    return "true" if facts["match"] else "false"
+
+
 # The short answer to each family's question: the warm-up skills' and the pairs' terse side.
 SHORT: dict[str, Callable[[Facts], str]] = {
     "colour": lambda f: f["colour"],
@@ -539,6 +544,7 @@ IN_WORDS = "{question} Answer in a full sentence, with the number in words."
 COMPLEMENT_QUESTION = "What is the complementary colour of the shape?"
 YES_NO = "{question} Answer yes or no."
 NEGATED = "{question} Answer yes or no, the opposite of the truth."
+TRUE_FALSE = "{question} Answer true or false."
 
 
 class Source(NamedTuple):
@@ -591,8 +597,14 @@ _OPPOSED = {
 }
 _WARMUP = {f"skill_{family}": Source(family, answer) for family, answer in SHORT.items()}
 # opposed's pre-training: the pairs' questions in both pairs' words, answered by either convention at
-# random (one draw for both words), so that θ0 answers yes or no but follows neither instruction.
+# random (one draw for both words), so that θ0 answers yes or no but follows neither instruction;
+# and the same questions answered true or false, so that θ0 knows the truth both conventions map.
 _EITHER = {f"either_{name}": Source(source.family, _either, source.cue) for name, source in _OPPOSED.items()}
+_TRUE_FALSE = {
+    f"{name.removesuffix('_yes_no')}_true_false": Source(source.family, _true_false, TRUE_FALSE)
+    for name, source in _OPPOSED.items()
+    if source.cue == YES_NO
+}
 _UNSEEN = {  # each a task the fine-tuning suite trains, with an instruction it never pairs with that task
     "unseen_shape_sentence": Source("shape", _sentence(SHORT["shape"]), SENTENCE),
     "unseen_vertical_sentence": Source("vertical", _sentence(SHORT["vertical"]), SENTENCE),
@@ -613,17 +625,17 @@ FINETUNE: dict[str, list[str]] = {
 }
 _OPPOSED_FAMILIES = {source.family for source in _OPPOSED.values()}
 # The warm-up suite of each kind: a skill per family, for opposed none of a pair's family but its
-# questions answered either way.
+# questions answered either way and true or false.
 WARMUP: dict[str, list[str]] = {
     "cued": list(_WARMUP),
     "contradictory": list(_WARMUP),
-    "opposed": [*(s for s in _WARMUP if _WARMUP[s].family not in _OPPOSED_FAMILIES), *_EITHER],
+    "opposed": [*(s for s in _WARMUP if _WARMUP[s].family not in _OPPOSED_FAMILIES), *_EITHER, *_TRUE_FALSE],
 }
 UNSEEN: list[str] = list(_UNSEEN)
-SOURCES: dict[str, Source] = _UNPAIRED | _STYLED | _OPPOSED | _WARMUP | _EITHER | _UNSEEN
+SOURCES: dict[str, Source] = _UNPAIRED | _STYLED | _OPPOSED | _WARMUP | _EITHER | _TRUE_FALSE | _UNSEEN
 _SUITE_OF = (
     dict.fromkeys(_UNPAIRED | _STYLED | _OPPOSED, "finetune")
-    | dict.fromkeys(_WARMUP | _EITHER, "warmup")
+    | dict.fromkeys(_WARMUP | _EITHER | _TRUE_FALSE, "warmup")
     | dict.fromkeys(UNSEEN, "unseen")
 )
 
