@@ -14,10 +14,13 @@ rate and epochs, the model's width.
 
 Every case is the real flow (Prefect, DeepSpeed branches, the merge library, held-out evaluation,
 lmms-eval) on a run directory of its own under ``--workdir``; a case that changes neither data
-nor θ0 links to its base case's. Every seed runs the smallest K (every merge of the config), its
-Random-K control and the 1-epoch joint baseline first, then the larger K (the token-weighted
-average only, MERIT's merge, and its Random-K); ``--full-seeds N`` keeps the larger K, the
-control and the other joint budgets to the first N seeds. A finished case is not recomputed:
+nor θ0 links to its base case's. θ0 is made once per kind (the ``theta0`` flow, at the config's
+seed) and every seed fine-tunes it, as the paper fine-tunes one pre-trained model: seeds vary the
+data, the calibration sample and the branches (``--no-shared-theta0``: a warm-up per seed).
+Every seed runs the smallest K (every merge of the config), its Random-K control and the 1-epoch
+joint baseline first, then the larger K (the token-weighted average only, MERIT's merge, and its
+Random-K); ``--full-seeds N`` keeps the larger K, the control and the other joint budgets to the
+first N seeds. A finished case is not recomputed:
 rerunning the bench after an interruption continues it.
 """
 
@@ -41,7 +44,7 @@ from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
 from pipeline.data.builtin import CONFLICT_KINDS, CONFLICTS
 from pipeline.eval.benchmarks import BENCHMARKS, CONSTANT
-from pipeline.layout import CALIBRATION, EVAL, REPORT, start_run
+from pipeline.layout import CALIBRATION, EVAL, REPORT, init_path, start_run
 from pipeline.report import markdown_table
 from pipeline.report.plots import plot_quality
 from pipeline.report.quality import ROLES
@@ -93,8 +96,23 @@ class Case:
 
 
 def seed_overrides(args: argparse.Namespace, kind: str, seed: int) -> list[str]:
-    """What a seed's cases of one kind of conflict set over the config: their data and θ0."""
+    """What a seed's cases of one kind of conflict set over the config: their data (and their own θ0)."""
     return [*args.overrides, f"run.seed={seed}", f"data.builtin.conflicts={kind}"]
+
+
+def theta0_case(args: argparse.Namespace, kind: str) -> Case:
+    """The θ0 every seed of a kind shares with ``--shared-theta0``: the config's warm-up at its own seed."""
+    return Case(f"{kind}-theta0", [*args.overrides, f"data.builtin.conflicts={kind}"], {"kind": kind}, flow="theta0")
+
+
+def shared_overrides(args: argparse.Namespace, kind: str, seed: int) -> list[str]:
+    """A seed's data over the config and, with ``--shared-theta0``, the kind's θ0 as its model."""
+    sets = seed_overrides(args, kind, seed)
+    if not args.shared_theta0:
+        return sets
+    case = theta0_case(args, kind)
+    theta0 = init_path(load_config(args.config, case.overrides), Path(args.workdir).absolute() / case.name)
+    return [*sets, f"model.name_or_path={theta0}", "warmup.steps=0"]
 
 
 def full(args: argparse.Namespace, i: int) -> bool:
@@ -105,11 +123,11 @@ def full(args: argparse.Namespace, i: int) -> bool:
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     ks = sorted(args.k)
     only_merit_merge = f"merge.methods=[{{name: {MERIT_MERGE}, method: weighted_average}}]"
-    cases = []
+    cases = [theta0_case(args, kind) for kind in args.kinds] if args.shared_theta0 else []
     for kind in args.kinds:
         for i, seed in enumerate(args.seeds):
             base = f"{kind}-s{seed}"
-            sets = [*seed_overrides(args, kind, seed), f"flow.controls={'[random]' if full(args, i) else '[]'}"]
+            sets = [*shared_overrides(args, kind, seed), f"flow.controls={'[random]' if full(args, i) else '[]'}"]
             labels = {"kind": kind, "seed": seed}
             cases.append(Case(base, [*sets, f"calibration.r={_r(ks[0])}"], labels | {"K": ks[0]}))
             for k in ks[1:] if full(args, i) else ():
@@ -125,7 +143,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         fresh = fresh or (factor == "lr" and not lr_keeps_theta0)
         for seed in [s for i, s in enumerate(args.seeds) if full(args, i)]:
             sets = [
-                *seed_overrides(args, args.kinds[0], seed),
+                *(seed_overrides if fresh else shared_overrides)(args, args.kinds[0], seed),
                 f"calibration.r={_r(ks[0])}",
                 "flow.controls=[]",
                 only_merit_merge,
@@ -150,7 +168,7 @@ def _r(k: int) -> int:
 
 def run_case(case: Case, config: str, workdir: Path) -> None:
     """The case's flow on its run directory (a no-op for the stages already done)."""
-    from flows.merit import joint, merit
+    from flows.merit import joint, merit, theta0
 
     run_dir = workdir / case.name
     if case.base:
@@ -158,8 +176,8 @@ def run_case(case: Case, config: str, workdir: Path) -> None:
         reuse_theta0_evaluations(workdir / case.base, run_dir)
     else:
         start_run(config, case.overrides, run_dir)
-    {"merit": merit, "joint": joint}[case.flow](config=None, run_dir=str(run_dir))
-    case.rows = case_rows(run_dir, case)
+    {"merit": merit, "joint": joint, "theta0": theta0}[case.flow](config=None, run_dir=str(run_dir))
+    case.rows = [] if case.flow == "theta0" else case_rows(run_dir, case)
 
 
 def reuse_theta0_evaluations(base: Path, run_dir: Path) -> None:
@@ -445,6 +463,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="premise 3: train each seed's designed pairs apart and together (5 short branches a seed)",
     )
     parser.add_argument(
+        "--shared-theta0",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one θ0 per kind for every seed, warmed up once at the config's run.seed, as the paper fine-tunes one "
+        "pre-trained model (seeds vary the data, the calibration sample and the branches); "
+        "--no-shared-theta0: a warm-up per seed",
+    )
+    parser.add_argument(
         "--factors",
         nargs="*",
         default=[],
@@ -467,11 +493,15 @@ def main(args: argparse.Namespace) -> None:
         began = time.perf_counter()
         run_case(case, args.config, workdir)
         print(f"[{n}/{len(cases)}] {case.name}: {time.perf_counter() - began:.0f} s", flush=True)
-        if args.interference and case.base is None and "factor" not in case.labels:
+        if args.interference and case.flow == "merit" and case.base is None and "factor" not in case.labels:
             kind, seed = case.labels["kind"], case.labels["seed"]
             began = time.perf_counter()
             measured = premises.measure_interference(
-                args.config, seed_overrides(args, kind, seed), workdir / case.name, workdir / f"{case.name}-pairs", kind
+                args.config,
+                shared_overrides(args, kind, seed),
+                workdir / case.name,
+                workdir / f"{case.name}-pairs",
+                kind,
             )
             drops[kind][seed] = premises.interference_drop(measured)
             print(f"  premise 3, {case.name}: {time.perf_counter() - began:.0f} s", flush=True)

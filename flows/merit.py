@@ -1,8 +1,10 @@
-"""The MERIT flow and the joint-baseline flow.
+"""The MERIT flow, the joint-baseline flow and the θ0 flow.
 
 merit: preflight → prepare → init → warm-up (θ0) → calibrate (and each control's split) → K branches
 (+ the joint baseline, + each control's K), fanned out with retries that resume from checkpoints →
 merges → evaluation and diagnostics → report.
+joint: the same start, then the joint baseline alone. theta0: the start alone, a pre-trained θ0 that
+other runs share by naming it as their model.
 Every stage is idempotent, so re-running a flow on the same run directory resumes it.
 """
 
@@ -25,7 +27,7 @@ from flows.slots import SlotPool
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
 from pipeline.eval.heldout import evaluated
-from pipeline.layout import JOINT, WARMUP, run_models, start_run, training_dir
+from pipeline.layout import JOINT, WARMUP, init_path, run_models, start_run, training_dir
 from pipeline.threads import set_threads
 from pipeline.train.plan import branch_spec
 
@@ -174,3 +176,16 @@ def joint(
     start(run_dir, cfg)
     train_branches(cfg, run_dir, [(run_dir, JOINT)], "training")
     return evaluate_and_report(cfg, run_dir)
+
+
+@flow(name="theta0", log_prints=True)
+def theta0(
+    config: str | None = "configs/demo.yaml", overrides: list[str] | None = None, run_dir: str | None = None
+) -> str:
+    """θ0 alone (prepare, init, warm-up); returns its folder. Runs that set it as
+    ``model.name_or_path`` with ``warmup.steps=0`` share one pre-trained start, as fine-tuning
+    runs of a released model do."""
+    cfg, run_dir = start_run(config, overrides or [], run_dir)
+    run_dir = str(run_dir.absolute())
+    start(run_dir, cfg)
+    return init_path(cfg, run_dir)

@@ -58,6 +58,7 @@ def test_cases_share_theta0_only_where_it_is_the_same():
         None,
         [],
     )
+    assert defaults.shared_theta0
     factors = ["--factors", "pca", "lr", "warmup", "width"]
     args = parsed("--seeds", "0", "1", "--k", "2", "4", "--kinds", "cued", "--joint-epochs", "0.5", "2", *factors)
     planned = plan_cases(args)
@@ -74,7 +75,17 @@ def test_cases_share_theta0_only_where_it_is_the_same():
     )
     assert cases["lr-3e-4-s0"].base == "cued-s0"  # the same θ0: linked
     assert cases["warmup-1000-s0"].base is None and cases["width-256-s1"].base is None  # θ0 remade
-    assert all("flow.controls=[random]" in c.overrides for c in cases.values() if "factor" not in c.labels)
+    # One θ0 for both seeds, warmed up once, named by every case that does not remake it.
+    assert planned[0].name == "cued-theta0" and planned[0].flow == "theta0"
+    theta0 = f"model.name_or_path={Path('w').absolute() / 'cued-theta0' / 'warmup' / 'final'}"
+    for name, case in cases.items():
+        shares = case.flow != "theta0" and case.labels.get("factor") not in ("warmup", "width")
+        assert (theta0 in case.overrides and "warmup.steps=0" in case.overrides) == shares, name
+    assert all(
+        "flow.controls=[random]" in c.overrides
+        for c in cases.values()
+        if "factor" not in c.labels and c.flow != "theta0"
+    )
     # Seeds past --full-seeds: MERIT at the smallest K and the 1-epoch joint only (no larger K, no
     # Random-K, no 0.5/2-epoch joint, no factors).
     args = parsed(
@@ -151,7 +162,10 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
     # joint for 2 epochs: twice the steps of the 1-epoch joint, from the same θ0 (linked, not remade;
     # θ0's evaluations copied, not recomputed)
     joint2 = tmp_path / "opposed-s0-joint2"
-    assert (joint2 / "warmup").is_symlink() and (joint2 / "warmup").resolve() == (tmp_path / "opposed-s0" / "warmup")
+    theta0 = tmp_path / "opposed-theta0" / "warmup" / "final"
+    assert json.loads((theta0 / "manifest.json").read_text())["step"] == 4  # the shared θ0: the config's warm-up
+    for case in (tmp_path / "opposed-s0", joint2):
+        assert load_config(case / "config.yaml").model.name_or_path == str(theta0) and not (case / "warmup").exists()
     steps = [
         json.loads((d / "joint" / "final" / "manifest.json").read_text())["step"]
         for d in (tmp_path / "opposed-s0", joint2)
@@ -176,7 +190,7 @@ def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tm
             True
         ] * trained + [False]
         assert set(measured["accuracy"][arrangement]) == set(measured["accuracy"]["theta0"]) == paired
-        assert (pairs / arrangement / "init").resolve() == (tmp_path / "opposed-s0" / "init").resolve()
+        assert load_config(pairs / arrangement / "config.yaml").model.name_or_path == str(theta0)
     drop = out["interference"]["opposed"]["0"]
     apart, together = (measured["accuracy"][a] for a in ("apart", "together"))
     assert drop["drop/all"] == pytest.approx(mean(apart[s] for s in paired) - mean(together[s] for s in paired))
