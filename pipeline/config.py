@@ -552,6 +552,21 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _methods_take_their_inputs(self) -> RunConfig:
+        """SLERP takes 2 inputs, Model Stock at least 2: a merge of the K branches, or a DiLoCo round
+        of the R workers (a quorum round: of min_workers to R), must give each method its count."""
+        counts = [(m.name, rule.method, self.branch_count) for m in self.merge.methods for rule in m.effective_rules]
+        d = self.diloco
+        rounds = {self.diloco_workers} | ({d.min_workers} if d.sync == "quorum" else set())
+        counts += [(m.name, rule.method, r) for m in d.methods for rule in m.effective_rules for r in rounds]
+        for name, method, count in counts:
+            try:
+                get_method(method).check_inputs(count)
+            except ValueError as err:
+                raise ValueError(f"merge '{name}': {err}") from None
+        return self
+
+    @model_validator(mode="after")
     def _diloco_workers(self) -> RunConfig:
         d = self.diloco
         if d.shards == "merit" and d.workers not in (None, self.branch_count):

@@ -161,6 +161,48 @@ def test_cli_merge(branches, tmp_path, capsys):
     assert merit(["merge", str(bad)]) == 2 and "need base_model" in capsys.readouterr().err
 
 
+MERGEKIT_METHODS = {
+    "slerp": {},
+    "nuslerp": {"nuslerp_flatten": False},
+    "multislerp": {},
+    "karcher": {},
+    "model_stock": {},
+    "breadcrumbs": {"density": 0.9, "gamma": 0.01},
+    "breadcrumbs_ties": {"density": 0.9, "gamma": 0.01},
+    "della": {"density": 0.7, "epsilon": 0.1},
+    "della_linear": {"density": 0.7, "epsilon": 0.1},
+    "sce": {"select_topk": 0.5},
+    "dare_ties": {"density": 0.5, "lambda": 0.8},
+    "dare_linear": {"density": 0.5},
+}
+
+
+@pytest.mark.parametrize("method", sorted(MERGEKIT_METHODS))
+def test_cli_merges_two_branches_with_each_mergekit_method(branches, tmp_path, capsys, method):
+    """``merit merge`` as a user runs it on the demo's K = 2 branches, with mergekit's parameter
+    names: the output is a whole checkpoint, every tensor between θ0 and the branches' scale."""
+    base, paths = branches
+    spec_file = tmp_path / "spec.yaml"
+    models = [{"path": str(p), "weight": w} for p, w in zip(paths[:2], (0.6, 0.4))]
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "base_model": str(base),
+                "models": models,
+                "method": method,
+                "params": MERGEKIT_METHODS[method],
+                "out_path": str(tmp_path / "m"),
+            }
+        )
+    )
+    assert merit(["merge", str(spec_file)]) == 0
+    assert f"{method}:" in capsys.readouterr().out and verify_checkpoint(tmp_path / "m")["kind"] == "merge"
+    merged, theta0 = disk_tensors(tmp_path / "m"), disk_tensors(base)
+    assert merged.keys() == theta0.keys()
+    moved = max(float((merged[n].float() - theta0[n].float()).abs().max()) for n in merged)
+    assert 0 < moved < 0.1  # the branches are θ0 + 0.01 · noise (≤ 0.06): the merge stays near
+
+
 # --- refusals: each names the file or tensor, and leaves no output behind -----------------------
 
 

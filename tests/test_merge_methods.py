@@ -55,7 +55,7 @@ def np_ties(b, taus, w, density, scale):
     trimmed = np.zeros_like(taus)
     for i, t in enumerate(taus):
         flat = np.abs(t).ravel()
-        keep = max(1, round(density * flat.size))
+        keep = max(1, int(density * flat.size))
         threshold = np.sort(flat)[::-1][keep - 1]
         trimmed[i] = np.where(np.abs(t) >= threshold, t, 0.0)
     total = np.tensordot(w, trimmed, 1)
@@ -115,7 +115,7 @@ def test_ties_on_a_large_tensor_matches_the_reference():
 def np_ties_vectorized(b, taus, w, density):
     k, n = len(taus), taus[0].size
     flat = taus.reshape(k, -1)
-    keep = max(1, round(density * n))
+    keep = max(1, int(density * n))
     thresholds = np.sort(np.abs(flat), axis=1)[:, ::-1][:, keep - 1 : keep]
     trimmed = np.where(np.abs(flat) >= thresholds, flat, 0.0)
     total = (w[:, None] * trimmed).sum(0)
@@ -372,3 +372,116 @@ def test_bf16_models_over_an_fp32_base_merge_in_fp32():
         mixed = merge_state_dicts([{"t": m} for m in low], weights, rule, base={"t": base})["t"]
         exact = merge_state_dicts([{"t": m.float()} for m in low], weights, rule, base={"t": base})["t"]
         assert mixed.dtype == torch.float32 and torch.equal(mixed, exact), method
+
+
+# The methods shared with mergekit (tests/test_merge_mergekit.py checks their values against it).
+TWO_INPUTS = ("slerp", "nuslerp")
+SHARED = ("breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "dare_ties", "sce")
+SPAN = ("multislerp", "karcher", "model_stock")
+PARAMS_OF = {
+    "breadcrumbs": {"density": 0.7, "gamma": 0.05},
+    "breadcrumbs_ties": {"density": 0.7, "gamma": 0.05},
+    "della": {"density": 0.6, "epsilon": 0.2},
+    "della_linear": {"density": 0.6, "epsilon": 0.2},
+    "dare_ties": {"density": 0.5},
+    "sce": {"select_topk": 0.6},
+}
+
+
+@pytest.mark.parametrize("method", SHARED + SPAN + TWO_INPUTS)
+def test_the_mergekit_methods_are_odd_and_leave_inputs_untouched(method):
+    k = 2 if method in TWO_INPUTS else 4
+    _, models, weights = case(k, (30, 20), seed=2)
+    copies = [m.clone() for m in models]
+    rule = [Rule(pattern="*", method=method, params=PARAMS_OF.get(method, {}))]
+    pos = merge_state_dicts([{"t": m} for m in models], weights, rule)["t"]
+    neg = merge_state_dicts([{"t": -m} for m in models], weights, rule)["t"]
+    torch.testing.assert_close(neg, -pos, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(models, copies))
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [(m, PARAMS_OF[m]) for m in SHARED]
+    + [("multislerp", {}), ("model_stock", {"filter_wise": True}), ("model_stock", {})]
+    + [("nuslerp", {"nuslerp_flatten": False}), ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True})],
+)
+def test_the_mergekit_methods_do_not_depend_on_the_block_budget(method, params):
+    """A tensor over the budget is read in row blocks, once per pass: the masks, the band's bounds,
+    SCE's selection and the span methods' inner products must come out the same."""
+    k = 2 if method in TWO_INPUTS else 3
+    base, models, weights = case(k, (1200, 1000), seed=5)
+    rule = [Rule(pattern="*", method=method, params=params)]
+
+    def run(block_bytes):
+        return merge_state_dicts([{"t": m} for m in models], weights, rule, base={"t": base}, block_bytes=block_bytes)
+
+    whole, blocked = run(1 << 30)["t"], run(4 << 20)["t"]  # one block; several of a few hundred rows
+    torch.testing.assert_close(blocked - base, whole - base, atol=1e-6, rtol=1e-5)
+
+
+def test_dare_under_mergekit_names_is_dare():
+    base, models, weights = case(3, (40, 17), seed=3)
+    ours = merged("dare", base, models, weights, drop=0.6)
+    np.testing.assert_allclose(merged("dare_linear", base, models, weights, density=0.4), ours, atol=1e-6)
+    ties_mean = merged("dare", base, models, weights, drop=0.6, combine="ties")
+    np.testing.assert_allclose(
+        merged("dare_ties", base, models, weights, density=0.4, normalize=True), ties_mean, atol=1e-6
+    )
+    unscaled = merged("dare_linear", base, models, weights, density=0.4, rescale=False)
+    kept = 1 - round(0.6 * 2**16) / 2**16  # the share kept at the masks' resolution
+    np.testing.assert_allclose(unscaled - base.numpy(), kept * (ours - base.numpy()), atol=1e-6)
+
+
+def test_breadcrumbs_keeps_the_band_below_the_outliers():
+    base, models, weights = case(2, (50, 40), seed=7)
+    b, taus, w = np_inputs(base, models, weights)
+    n, density, gamma = taus[0].size, 0.6, 0.1
+    expected = np.zeros_like(taus)
+    for i, t in enumerate(taus):
+        order = np.argsort(np.abs(t).ravel())  # ascending
+        bottom = n - int(density * n) - int(gamma * n)
+        keep = order[bottom : bottom + int(density * n)]
+        expected[i].ravel()[keep] = t.ravel()[keep]
+    out = merged("breadcrumbs", base, models, weights, density=density, gamma=gamma, scale=0.5)
+    np.testing.assert_allclose(out, b + 0.5 * np.tensordot(w, expected, 1), atol=1e-5)
+
+
+def test_della_keeps_small_entries_less_often_and_rescales_without_bias():
+    """MAGPRUNE: q rises linearly with an entry's magnitude rank in its row, from density − ε to
+    density + ε: the smallest fifth is kept with probability 0.3 + 0.4 · 0.1 = 0.34 on average,
+    the largest 0.66; survivors × 1/q, so the kept values average to τ over many draws."""
+    g = torch.Generator().manual_seed(8)
+    tau = torch.randn(1, 200, 1000, generator=g)
+    rule = [Rule(pattern="*", method="della_linear", params={"density": 0.5, "epsilon": 0.2})]
+    out = merge_state_dicts([{"t": tau[0]}], [1.0], rule)["t"]
+    kept = out != 0
+    order = tau[0].abs().argsort(1)
+    smallest, largest = kept.gather(1, order[:, :200]), kept.gather(1, order[:, -200:])
+    assert abs(kept.float().mean() - 0.5) < 0.01
+    assert abs(smallest.float().mean() - 0.34) < 0.02 and abs(largest.float().mean() - 0.66) < 0.02
+    assert abs(float((out * tau[0]).sum() / tau[0].square().sum()) - 1.0) < 0.02  # E[τ̃] = τ
+    again = merge_state_dicts([{"t": tau[0]}], [1.0], rule, seed=1)["t"]
+    assert torch.equal(merge_state_dicts([{"t": tau[0]}], [1.0], rule)["t"], out) and not torch.equal(again, out)
+
+
+def test_methods_refuse_the_wrong_number_of_inputs_up_front(tmp_path):
+    from pipeline.merge import MergeSpec
+
+    models = [{"path": str(tmp_path / f"m{k}")} for k in range(3)]
+    for method, count, message in [
+        ("slerp", 3, "exactly 2"),
+        ("nuslerp", 1, "exactly 2"),
+        ("model_stock", 1, "at least 2"),
+    ]:
+        with pytest.raises(ValueError, match=f"'{method}' merges {message} inputs, got {count}"):
+            MergeSpec(base_model=str(tmp_path), models=models[:count], method=method, out_path=str(tmp_path / "o"))
+
+
+def test_multislerp_refuses_balanced_antipodal_inputs():
+    t = torch.randn(20, 10)
+    rule = [Rule(pattern="*", method="multislerp")]
+    with pytest.raises(ValueError, match="multislerp has no direction"):
+        merge_state_dicts([{"t": t}, {"t": -t}, {"t": t}, {"t": -t}], [1, 1, 1, 1], rule)
+    two = merge_state_dicts([{"t": t}, {"t": -t}], [1, 1], rule)["t"]  # two of them: the linear mean, 0
+    assert two.abs().max() <= 1e-6

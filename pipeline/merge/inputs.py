@@ -157,7 +157,7 @@ class TensorInputs:
             stack[k].copy_(self._read(reader, label, a, b).reshape(-1))
         models = [k for k, delta in enumerate(self.deltas) if not delta]
         if self.base is not None and models:
-            base = self._read(self.base, self.base_label, a, b).reshape(-1)
+            base = self.base_block(i)
             if len(models) == self.k:
                 stack.sub_(base)
             else:
@@ -166,6 +166,13 @@ class TensorInputs:
         if len(self.row_blocks) == 1:
             self._kept = (i, stack)
         return stack
+
+    def base_block(self, i: int) -> torch.Tensor | None:
+        """θ0's entries of block i, flat, as stored (None without a base)."""
+        if self.base is None:
+            return None
+        a, b = self.row_blocks[i]
+        return self._read(self.base, self.base_label, a, b).reshape(-1)
 
     def expert(self, e: int) -> TensorInputs:
         """The inputs of expert ``e`` of a fused expert tensor (experts, out, in): its (out, in)

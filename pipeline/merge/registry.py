@@ -22,13 +22,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.merge.inputs import TensorInputs
 
 
 class MethodParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Fields may carry mergekit's name as an alias (``lambda`` for ``scale``): either name is accepted.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def scale_field(default: float = 1.0):
+    """λ, the scale of the merged task vector, also accepted as mergekit's ``lambda``."""
+    return Field(default, alias="lambda")
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,19 @@ class MergeMethod:
     # Linear methods: (weights, params) -> (coefficient of θ0, coefficients of θ_k).
     coefficients: Callable[[torch.Tensor, MethodParams], tuple[float, torch.Tensor]] | None = None
     needs_fisher: bool = False
+    needs_base: bool = True  # θ0 given (without it, the inputs themselves are combined)
+    inputs: tuple[int, int | None] = (1, None)  # how many inputs it merges: at least, at most
     aliases: tuple[str, ...] = field(default=())
 
     @property
     def is_linear(self) -> bool:
         return self.coefficients is not None
+
+    def check_inputs(self, k: int) -> None:
+        least, most = self.inputs
+        if k < least or (most is not None and k > most):
+            wanted = f"exactly {least}" if least == most else f"at least {least}" if most is None else f"{least}-{most}"
+            raise ValueError(f"merge method '{self.name}' merges {wanted} inputs, got {k}")
 
     def validate(self, params: dict | None) -> MethodParams:
         try:

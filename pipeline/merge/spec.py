@@ -89,10 +89,10 @@ class MergeSpec(BaseModel):
             raise ValueError("give either 'method' (with 'params') or 'rules'")
         if self.method is not None:
             get_method(self.method).validate(self.params)
-        if self.base_model is None and any(
-            not get_method(m).is_linear or m == "task_arithmetic" for m in self.method_names
-        ):
+        if self.base_model is None and any(get_method(m).needs_base for m in self.method_names):
             raise ValueError(f"methods {self.method_names} need base_model (θ0)")
+        for m in self.method_names:
+            get_method(m).check_inputs(len(self.models))
         if self.base_model is None and any(e.adapter for e in self.models):
             raise ValueError("adapters need base_model (the θ0 they were trained on)")
         if self.out_format == "adapter":

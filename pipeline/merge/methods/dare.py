@@ -7,6 +7,12 @@ same spec gives the same merge whatever the tensor order, the merge's block budg
 5× faster than ``torch.rand``), so p is applied as the nearest multiple of 2^-16 (within 7.6e-6),
 and the rescale uses that same p. The rescale is applied once, to the merged task vector: every
 combination is linear in a common factor of its inputs (TIES trims and elects signs the same).
+
+``dare_linear`` and ``dare_ties`` are the same merges under mergekit's names and parameters:
+``density`` is the share kept (1 − p, default 1: nothing dropped), ``rescale`` turns the
+1 / density rescale off, and ``dare_ties`` sums the agreeing survivors unless ``normalize``.
+mergekit rescales each τ̃_k to the L1 norm of its τ_k instead of by 1 / density (the paper's
+rescale, whose expectation it matches); its masks are ``torch.bernoulli`` draws.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import torch
 from pydantic import Field, field_validator
 
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.methods import ties
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
+from pipeline.merge.sparse import Sparsified, Sparsifier, combine
 
 RNG_STRETCH = 1 << 20  # entries per generator
 LEVELS = 1 << 16  # values of one draw
@@ -29,14 +35,18 @@ class Params(MethodParams):
     drop: float = Field(0.9, ge=0.0, lt=1.0)  # p
     combine: Literal["linear", "ties"] = "linear"
     density: float = Field(1.0, gt=0.0, le=1.0)  # TIES trim after the drop (1.0: keep all survivors)
-    scale: float = 1.0  # λ
+    scale: float = scale_field()  # λ
 
     @field_validator("drop")
     @classmethod
     def _keeps_something(cls, drop: float) -> float:
-        if round(drop * LEVELS) >= LEVELS:
-            raise ValueError(f"drop {drop} is 1 at the masks' resolution of 2^-16: nothing would be kept")
-        return drop
+        return keeps_something(drop)
+
+
+def keeps_something(drop: float) -> float:
+    if round(drop * LEVELS) >= LEVELS:
+        raise ValueError(f"drop {drop} is 1 at the masks' resolution of 2^-16: nothing would be kept")
+    return drop
 
 
 def draws(ctx: TensorContext, k: int, start: int, stop: int) -> torch.Tensor:
@@ -59,35 +69,58 @@ def drop_level(p: float) -> int:
     return round(p * LEVELS) - LEVELS // 2
 
 
-class Dropped:
-    """The row blocks of ``inputs`` with DARE's masks applied (in place) as they are read, not yet
-    rescaled. A tensor of one block is dropped once and kept: its raw block no longer exists."""
+def dropper(inputs: TensorInputs, p: float, ctx: TensorContext) -> Sparsifier:
+    """DARE's masks (not yet rescaled): each entry of each τ_k dropped with probability p."""
+    level = drop_level(p)
 
-    def __init__(self, inputs: TensorInputs, p: float, ctx: TensorContext):
-        self.inputs, self.level, self.ctx, self.kept = inputs, drop_level(p), ctx, None
+    def drop(block: torch.Tensor, i: int) -> None:
+        if level == -LEVELS // 2:
+            return
+        span, keep = inputs.span(i), torch.empty(block.shape[1], device=block.device)
+        for k in range(inputs.k):
+            torch.ge(draws(ctx, k, span.start, span.stop).to(block.device), level, out=keep)
+            block[k].mul_(keep)
 
-    def __call__(self, i: int) -> torch.Tensor:
-        if self.kept is not None:
-            return self.kept
-        block, span = self.inputs.block(i), self.inputs.span(i)
-        if self.level > -LEVELS // 2:
-            keep = torch.empty(block.shape[1], device=block.device)
-            for k in range(self.inputs.k):
-                torch.ge(draws(self.ctx, k, span.start, span.stop).to(block.device), self.level, out=keep)
-                block[k].mul_(keep)
-        if len(self.inputs.blocks) == 1:
-            self.inputs.forget()
-            self.kept = block
-        return block
+    return drop
+
+
+def rescale(p: float) -> float:
+    """1 / (1 − p) at the masks' resolution."""
+    return LEVELS / (LEVELS - round(p * LEVELS))
 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    dropped = Dropped(inputs, params.drop, ctx)
-    scale = params.scale * LEVELS / (LEVELS - round(params.drop * LEVELS))  # λ / (1 − p)
-    if params.combine == "ties":
-        return ties.ties(inputs, dropped, weights, params.density, scale)
-    w = weights.to(inputs.device) * scale
-    return inputs.elementwise(lambda block, i: w @ block, dropped)
+    dropped = Sparsified(inputs, dropper(inputs, params.drop, ctx))
+    scale = params.scale * rescale(params.drop)
+    return combine(inputs, dropped, weights, scale, params.combine == "ties", density=params.density)
 
 
-METHOD = register(MergeMethod("dare", Params, merge=merge, aliases=("dare_linear",)))
+class KeepParams(MethodParams):
+    """mergekit's ``dare_linear`` / ``dare_ties`` parameters: ``density`` is the share kept."""
+
+    density: float = Field(1.0, gt=0.0, le=1.0)  # 1 − p (mergekit's default: nothing dropped)
+    rescale: bool = True  # survivors × 1 / density
+    scale: float = scale_field()  # λ
+
+    @field_validator("density")
+    @classmethod
+    def _keeps_something(cls, density: float) -> float:
+        keeps_something(1 - density)
+        return density
+
+
+class TiesKeepParams(KeepParams):
+    normalize: bool = False  # mergekit's dare_ties sums the agreeing survivors (true: their mean)
+
+
+def merge_keeping(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: KeepParams) -> torch.Tensor:
+    p = 1 - params.density
+    dropped = Sparsified(inputs, dropper(inputs, p, ctx))
+    scale = params.scale * (rescale(p) if params.rescale else 1.0)
+    consensus = isinstance(params, TiesKeepParams)
+    return combine(inputs, dropped, weights, scale, consensus, normalize=consensus and params.normalize)
+
+
+METHOD = register(MergeMethod("dare", Params, merge=merge))
+LINEAR = register(MergeMethod("dare_linear", KeepParams, merge=merge_keeping))
+TIES = register(MergeMethod("dare_ties", TiesKeepParams, merge=merge_keeping))

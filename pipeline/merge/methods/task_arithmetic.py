@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.merge.registry import MergeMethod, MethodParams, register
+from pipeline.merge.registry import MergeMethod, MethodParams, register, scale_field
 
 
 class Params(MethodParams):
-    scale: float = 1.0  # λ
+    scale: float = scale_field()  # λ
 
 
 def coefficients(weights: torch.Tensor, params: Params) -> tuple[float, torch.Tensor]:

@@ -6,9 +6,11 @@
    implementation. This keeps TIES odd, f(−τ) = −f(τ), which DiLoCo's sign convention needs.
 3. Disjoint mean over the entries that agree with s: Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree],
    the denominator clamped (an entry nobody keeps stays 0). Equal weights give the paper's
-   plain disjoint mean. θ = θ0 + λ τ_merged.
+   plain disjoint mean; ``normalize: false`` keeps the disjoint sum Σ_k w_k τ̂_k [agree]
+   (mergekit's option). θ = θ0 + λ τ_merged.
 
-The trim threshold is the exact k-th largest |τ_k| (``pipeline.merge.selection``). A tensor
+The trim keeps ⌊density · n⌋ entries of each τ_k (at least one), as mergekit does: those at or
+above the exact k-th largest |τ_k| (``pipeline.merge.selection``). A tensor
 larger than the merge's block budget is processed in row blocks: the threshold's two passes and
 the merge pass each read it once. Every pass works on column chunks with preallocated buffers
 and in-place arithmetic (``pipeline.merge.chunks``): on a CPU, temporaries and bool masks were
@@ -24,22 +26,28 @@ from pydantic import Field
 
 from pipeline.merge.chunks import chunks, scratch, view, workers
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
 from pipeline.merge.selection import kth_largest_abs
 from pipeline.threads import map_chunks
 
 
 class Params(MethodParams):
     density: float = Field(0.2, gt=0.0, le=1.0)  # fraction of entries kept per task vector
-    scale: float = 1.0  # λ
+    normalize: bool = True  # the disjoint mean (false: the disjoint sum)
+    scale: float = scale_field()  # λ
 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    return ties(inputs, inputs.block, weights, params.density, params.scale)
+    return ties(inputs, inputs.block, weights, params.density, params.scale, params.normalize)
 
 
 def ties(
-    inputs: TensorInputs, block: Callable[[int], torch.Tensor], weights: torch.Tensor, density: float, scale: float
+    inputs: TensorInputs,
+    block: Callable[[int], torch.Tensor],
+    weights: torch.Tensor,
+    density: float,
+    scale: float,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """TIES over the row blocks ``block(i)`` of ``inputs`` (its task vectors, or DARE's dropped
     ones), in two passes: trim, weight and elect every column's sign; then, with the tensor's
@@ -47,7 +55,7 @@ def ties(
     tensor of one block is kept trimmed in place between the passes; a larger one is read and
     trimmed again. The chunks of a pass run on ``map_chunks`` threads."""
     rows, n, device = inputs.k, inputs.numel, inputs.device
-    keep = max(1, round(density * n))
+    keep = max(1, int(density * n))
     one_block = len(inputs.blocks) == 1
     if keep < n:
         blocks = block(0) if one_block else lambda: (block(i) for i in inputs.blocks)
@@ -73,7 +81,7 @@ def ties(
             weighted = _weigh(trimmed, w, view(buffers[0], chunk))
             sign = out[start + cols.start : start + cols.stop]
             elected = sign.square().neg_().add_(1).mul_(majority).add_(sign)  # the majority where 0
-            sign.copy_(_disjoint_mean(weighted, elected, w))
+            sign.copy_(_disjoint_mean(weighted, elected, w, normalize))
 
         return chunk_means
 
@@ -98,12 +106,15 @@ def _weigh(trimmed: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.T
     return torch.mul(trimmed, w, out=out)
 
 
-def _disjoint_mean(weighted: torch.Tensor, elected: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree] per column, where agree means kept with the elected
-    sign; overwrites ``weighted``. The numerator sums the agreeing magnitudes and takes the sign
-    after: the same terms in the same order as summing the signed values, so the same bits."""
+def _disjoint_mean(weighted: torch.Tensor, elected: torch.Tensor, w: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree] per column (without ``normalize``, the numerator),
+    where agree means kept with the elected sign; overwrites ``weighted``. The numerator sums the
+    agreeing magnitudes and takes the sign after: the same terms in the same order as summing the
+    signed values, so the same bits."""
     agreeing = weighted.mul_(elected).clamp_min_(0)
     numerator = agreeing.sum(0).mul_(elected)
+    if not normalize:
+        return numerator
     denominator = agreeing.gt_(0).mul_(w).sum(0).clamp_min_(torch.finfo(torch.float32).tiny)  # nobody kept: 0
     return numerator.div_(denominator)
 

@@ -16,5 +16,11 @@ def coefficients(weights: torch.Tensor, params: Params) -> tuple[float, torch.Te
 
 
 METHOD = register(
-    MergeMethod("weighted_average", Params, coefficients=coefficients, aliases=("linear", "token_weighted"))
+    MergeMethod(
+        "weighted_average",
+        Params,
+        coefficients=coefficients,
+        needs_base=False,
+        aliases=("linear", "token_weighted"),
+    )
 )

@@ -1,0 +1,215 @@
+"""Every method this library shares with mergekit, run by both on the same tiny checkpoints,
+compared tensor by tensor (mergekit 0.1.5, in the ``dev`` extra).
+
+Tolerance: the merged task vector within 1e-6 of its largest entry, plus the roundings at θ's
+scale that a file of θ cannot separate from τ: each library adds θ0 back in fp32 (mergekit's
+Model Stock as t · mean + (1 − t) · θ0, three roundings), so up to 4 ulps of θ. The random-mask
+methods run at density 1, where no entry is dropped: their masks come from different generators
+(``torch.bernoulli`` there, seeded SFC64 draws here), and their rescales differ by definition
+(docs/concepts/merge-methods.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.merge import checkpoint_shapes, qwen2_config
+from pipeline.merge import MergeSpec, merge_checkpoints
+
+mergekit = pytest.importorskip("mergekit", reason="mergekit is a test dependency (pip install -e '.[dev]')")
+from mergekit.config import MergeConfiguration  # noqa: E402
+from mergekit.merge import MergeOptions, run_merge  # noqa: E402
+
+WEIGHTS = [0.5, 0.3, 0.2]
+# name: (our method, our params, mergekit's method, mergekit's per-model params, mergekit's shared
+# params, models, whether mergekit gets θ0 as its base model, whether ours weighs by WEIGHTS)
+CASES = {
+    "linear": ("weighted_average", {}, "linear", {}, {}, 3, False, True),
+    "task_arithmetic": ("task_arithmetic", {"lambda": 0.7}, "task_arithmetic", {}, {"lambda": 0.7}, 3, True, True),
+    "ties": ("ties", {"density": 0.3}, "ties", {"density": 0.3}, {}, 3, True, True),
+    "ties_sum": (
+        "ties",
+        {"density": 0.5, "normalize": False},
+        "ties",
+        {"density": 0.5},
+        {"normalize": False},
+        3,
+        True,
+        True,
+    ),
+    "dare_linear": ("dare_linear", {}, "dare_linear", {"density": 1.0}, {}, 3, True, True),
+    "dare_ties": ("dare_ties", {}, "dare_ties", {"density": 1.0}, {}, 3, True, True),
+    "breadcrumbs": (
+        "breadcrumbs",
+        {"density": 0.8, "gamma": 0.05},
+        "breadcrumbs",
+        {"density": 0.8, "gamma": 0.05},
+        {},
+        3,
+        True,
+        True,
+    ),
+    "breadcrumbs_ties": (
+        "breadcrumbs_ties",
+        {"density": 0.6, "gamma": 0.1},
+        "breadcrumbs_ties",
+        {"density": 0.6, "gamma": 0.1},
+        {},
+        3,
+        True,
+        True,
+    ),
+    "della": ("della", {}, "della", {"density": 1.0}, {}, 3, True, True),
+    "della_linear": ("della_linear", {}, "della_linear", {"density": 1.0}, {}, 3, True, True),
+    "nuslerp": ("nuslerp", {}, "nuslerp", {}, {}, 2, True, True),
+    "nuslerp_rows": ("nuslerp", {"nuslerp_flatten": False}, "nuslerp", {}, {"nuslerp_flatten": False}, 2, True, True),
+    "nuslerp_columns": (
+        "nuslerp",
+        {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        "nuslerp",
+        {},
+        {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        2,
+        True,
+        True,
+    ),
+    "multislerp": ("multislerp", {}, "multislerp", {}, {}, 3, True, True),
+    "model_stock": ("model_stock", {}, "model_stock", None, {}, 3, True, False),
+    "model_stock_rows": (
+        "model_stock",
+        {"filter_wise": True},
+        "model_stock",
+        None,
+        {"filter_wise": True},
+        3,
+        True,
+        False,
+    ),
+    "sce": ("sce", {"select_topk": 0.5}, "sce", None, {"select_topk": 0.5}, 3, True, False),
+    "sce_all": ("sce", {}, "sce", None, {}, 3, True, False),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """θ0 (a tiny tied Qwen2, fp32) and three fine-tunes of it: far enough apart that SLERP takes
+    its arc (cos Ω < 0.9995), the third correlated with the first (τ_3 = τ_1 + noise) so that the
+    angles differ and the Karcher mean is not the normalised average, every entry distinct."""
+    folder = tmp_path_factory.mktemp("mergekit")
+    config = qwen2_config(0.5, "float32")
+    g = torch.Generator().manual_seed(0)
+    base = {n: torch.randn(s, generator=g) for n, s in checkpoint_shapes(config).items()}
+    first = {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in base.items()}
+    second = {n: 0.2 * torch.randn(t.shape, generator=g) for n, t in base.items()}
+    third = {n: first[n] + 0.05 * torch.randn(t.shape, generator=g) for n, t in base.items()}
+    paths = []
+    for name, tau in [("base", None), ("m1", first), ("m2", second), ("m3", third)]:
+        path = folder / name
+        path.mkdir()
+        save_file({n: t + tau[n] if tau else t for n, t in base.items()}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps(config))
+        paths.append(path)
+    return paths[0], paths[1:]
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def run_mergekit(method: str, per_model: dict | None, shared: dict, base: Path | None, models: list[Path], out: Path):
+    entries = []
+    for path, weight in zip(models, WEIGHTS):
+        entry: dict = {"model": str(path)}
+        if per_model is not None:
+            entry["parameters"] = {"weight": weight, **per_model}
+        entries.append(entry)
+    config = {"merge_method": method, "models": entries, "dtype": "float32", "parameters": shared}
+    if base is not None:
+        config["base_model"] = str(base)
+    run_merge(
+        MergeConfiguration.model_validate(config), str(out), MergeOptions(copy_tokenizer=False, write_model_card=False)
+    )
+    return tensors(out)
+
+
+def run_ours(method: str, params: dict, base: Path | None, models: list[Path], weights: list[float], out: Path):
+    spec = MergeSpec(
+        base_model=str(base) if base else None,
+        models=[{"path": str(p), "weight": w} for p, w in zip(models, weights)],
+        method=method,
+        params=params,
+        out_path=str(out),
+    )
+    merge_checkpoints(spec, progress=False)
+    return tensors(out)
+
+
+def assert_same_merge(ours: dict, theirs: dict, base: dict | None) -> None:
+    assert set(ours) <= set(theirs), sorted(set(ours) - set(theirs))
+    for name, mine in ours.items():
+        other = theirs[name].float()
+        origin = base[name] if base is not None else torch.zeros_like(other)
+        tau = other - origin
+        rounding = 4 * torch.finfo(torch.float32).eps * other.abs().max()
+        error = (mine - other).abs().max()
+        assert error <= 1e-6 * tau.abs().max() + rounding, f"{name}: {error:.3g} off, |τ| ≤ {tau.abs().max():.3g}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_equal_to_mergekit(case, checkpoints, tmp_path):
+    ours_method, params, theirs_method, per_model, shared, k, with_base, weighted = CASES[case]
+    base, models = checkpoints
+    base, models = (base if with_base else None), models[:k]
+    theirs = run_mergekit(theirs_method, per_model, shared, base, models, tmp_path / "theirs")
+    weights = WEIGHTS[:k] if weighted else [1.0] * k  # mergekit's karcher, model_stock and sce weigh equally
+    ours = run_ours(ours_method, params, base, models, weights, tmp_path / "ours")
+    assert_same_merge(ours, theirs, tensors(base) if base else None)
+
+
+def test_slerp_equal_to_mergekit(checkpoints, tmp_path):
+    """mergekit's SLERP runs from its base model to the other input; ours between the two inputs,
+    over θ0 (which it only subtracts and adds back), t the second input's weight or ``t``."""
+    base, (first, second, _) = checkpoints
+    config = {
+        "merge_method": "slerp",
+        "base_model": str(first),
+        "models": [{"model": str(first)}, {"model": str(second)}],
+        "parameters": {"t": 0.3},
+        "dtype": "float32",
+    }
+    options = MergeOptions(copy_tokenizer=False, write_model_card=False)
+    run_merge(MergeConfiguration.model_validate(config), str(tmp_path / "theirs"), options)
+    theirs = tensors(tmp_path / "theirs")
+    by_weights = run_ours("slerp", {}, base, [first, second], [0.7, 0.3], tmp_path / "weights")
+    by_t = run_ours("slerp", {"t": 0.3}, base, [first, second], [0.5, 0.5], tmp_path / "t")
+    for ours in (by_weights, by_t):
+        assert_same_merge(ours, theirs, tensors(first))
+
+
+def test_karcher_equal_to_mergekit(checkpoints, tmp_path):
+    """Karcher without a base on the three task vectors saved as models (mergekit's karcher
+    averages whatever it is given, a base included): their angles are wide (θ0 + τ_k would be
+    nearly parallel, and one step would reach the mean), so the iteration matters."""
+    base, models = checkpoints
+    theta0 = tensors(base)
+    folders = []
+    for path in models:
+        folder = tmp_path / f"tau-{path.name}"
+        folder.mkdir()
+        save_file({n: t - theta0[n] for n, t in tensors(path).items()}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text((path / "config.json").read_text())
+        folders.append(folder)
+    theirs = run_mergekit("karcher", None, {}, None, folders, tmp_path / "theirs")
+    ours = run_ours("karcher", {}, None, folders, [1.0] * 3, tmp_path / "ours")
+    assert_same_merge(ours, theirs, None)
+    one_step = run_ours("karcher", {"max_iter": 1}, None, folders, [1.0] * 3, tmp_path / "one")
+    with pytest.raises(AssertionError):
+        assert_same_merge(one_step, theirs, None)
