@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,20 +45,43 @@ import yaml
 from safetensors.torch import save_file
 
 from pipeline.memory import AnonymousPeak, max_rss
-from pipeline.merge import CheckpointReader, MergeSpec, merge_checkpoints
+from pipeline.merge import CheckpointReader, MergeSpec, get_method, merge_checkpoints
 from pipeline.threads import available_cpus, set_threads
 
 # (hidden, intermediate, vocabulary): Qwen2.5-3B's hidden width, or a tiny one for start-up runs
 WIDE, TINY = (2048, 5632, 8192), (64, 176, 512)
 HEADS, KV_HEADS = 16, 2
-# method: (our params, mergekit's method, mergekit's per-model parameters), the same merge
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A method and mergekit's counterpart, set up for the same merge."""
+
+    params: dict  # ours
+    theirs: str  # mergekit's method
+    per_model: dict | None = field(default_factory=dict)  # mergekit's per-model parameters (None: no weight)
+    shared: dict = field(default_factory=dict)  # mergekit's global parameters
+    base: bool = True  # both read θ0 (mergekit's slerp reads the first model as its base instead)
+
+
 METHODS = {
-    "weighted_average": ({}, "linear", {}),
-    "task_arithmetic": ({}, "task_arithmetic", {}),
-    "ties": ({"density": 0.2}, "ties", {"density": 0.2}),
-    "dare": ({"drop": 0.9}, "dare_linear", {"density": 0.1}),
+    "weighted_average": Shared({}, "linear", base=False),
+    "task_arithmetic": Shared({}, "task_arithmetic"),
+    "ties": Shared({"density": 0.2}, "ties", {"density": 0.2}),
+    "dare": Shared({"drop": 0.9}, "dare_linear", {"density": 0.1}),
+    "dare_ties": Shared({"density": 0.1}, "dare_ties", {"density": 0.1}),
+    "breadcrumbs": Shared({"density": 0.9, "gamma": 0.01}, "breadcrumbs", {"density": 0.9, "gamma": 0.01}),
+    "breadcrumbs_ties": Shared({"density": 0.9, "gamma": 0.01}, "breadcrumbs_ties", {"density": 0.9, "gamma": 0.01}),
+    "della": Shared({"density": 0.7, "epsilon": 0.15}, "della", {"density": 0.7, "epsilon": 0.15}),
+    "della_linear": Shared({"density": 0.7, "epsilon": 0.15}, "della_linear", {"density": 0.7, "epsilon": 0.15}),
+    "sce": Shared({"select_topk": 0.5}, "sce", None, {"select_topk": 0.5}),
+    "model_stock": Shared({}, "model_stock", None),
+    "multislerp": Shared({}, "multislerp"),
+    "karcher": Shared({}, "karcher", None, base=False),
+    "nuslerp": Shared({}, "nuslerp"),
+    "slerp": Shared({}, "slerp", None, {"t": 0.5}, base=False),
 }
-READS_BASE = {"task_arithmetic", "ties", "dare"}
+DEFAULT_METHODS = ["weighted_average", "task_arithmetic", "ties", "dare"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -165,10 +189,10 @@ def run_in_process(target, *args):
 
 def merge_spec(method: str, base: Path, models: list[Path], out: Path, device: str = "cpu") -> MergeSpec:
     return MergeSpec(
-        base_model=str(base),
+        base_model=str(base) if METHODS[method].base else None,
         models=[{"path": str(p)} for p in models],
         method=method,
-        params=METHODS[method][0],
+        params=METHODS[method].params,
         out_path=str(out),
         device=device,
     )
@@ -212,14 +236,14 @@ def command_pair(
     """``merit merge`` and mergekit's command for the same merge (outputs under ``folder``)."""
     spec = folder / f"{method}.yaml"
     spec.write_text(yaml.safe_dump(merge_spec(method, base, models, folder / f"ours-{method}").model_dump(mode="json")))
-    _, theirs, params = METHODS[method]
-    config = {
-        "merge_method": theirs,
-        "models": [{"model": str(p), "parameters": {"weight": 1.0, **params}} for p in models],
-        "dtype": dtype,
-    }
-    if method in READS_BASE:
-        config["base_model"] = str(base)
+    shared = METHODS[method]
+    entries = [
+        {"model": str(p)} | ({} if shared.per_model is None else {"parameters": {"weight": 1.0, **shared.per_model}})
+        for p in models
+    ]
+    config = {"merge_method": shared.theirs, "models": entries, "dtype": dtype, "parameters": shared.shared}
+    if shared.base or method == "slerp":
+        config["base_model"] = str(base if shared.base else models[0])
     (folder / f"{method}-mergekit.yaml").write_text(yaml.safe_dump(config))
     ours = [sys.executable, "-m", "merit", "merge", str(spec)]
     return ours, [*mergekit.split(), str(folder / f"{method}-mergekit.yaml"), str(folder / f"mergekit-{method}")]
@@ -229,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
     parser.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
     parser.add_argument(
-        "--methods", help="comma-separated methods (default: weighted_average,task_arithmetic,ties,dare)"
+        "--methods", help=f"comma-separated methods (default: {','.join(DEFAULT_METHODS)}; known: {','.join(METHODS)})"
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the checkpoints' dtype")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -246,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    methods = args.methods.split(",") if args.methods else list(METHODS)
+    methods = args.methods.split(",") if args.methods else DEFAULT_METHODS
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"merit bench merge: unknown methods {unknown}; known: {sorted(METHODS)}")
@@ -272,15 +296,27 @@ def main(args: argparse.Namespace) -> None:
                 gb = sum(p.joinpath("model.safetensors").stat().st_size for p in paths) / 1e9
                 measure = functools.partial(run_in_process, _floor_process, paths)
                 floors[reads_base] = row(args, load, k, f"floor ({len(paths)} files)", gb, None, measure)
-            for method in methods:
-                floor, gb = floors[method in READS_BASE]
+            for method in fitting(methods, k):
+                floor, gb = floors[METHODS[method].base]
                 measure = functools.partial(_merged, method, base, models, folder / f"out-{method}", args.device)
                 row(args, load, k, method, gb, floor, measure)
             if args.mergekit:
-                compare_with_mergekit(args, methods, base, models, folder)
+                compare_with_mergekit(args, fitting(methods, k), base, models, folder)
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def fitting(methods: list[str], k: int) -> list[str]:
+    """The methods that merge K inputs (SLERP: 2)."""
+    fit = []
+    for method in methods:
+        try:
+            get_method(method).check_inputs(k)
+            fit.append(method)
+        except ValueError:
+            print(f"    {method}: not run at K = {k} (it merges {get_method(method).inputs} inputs)")
+    return fit
 
 
 def _merged(method: str, base: Path, models: list[Path], out: Path, device: str):

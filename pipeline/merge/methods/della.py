@@ -45,7 +45,9 @@ def magprune(inputs: TensorInputs, params: LinearParams, ctx: TensorContext) -> 
 
     def drop(block: torch.Tensor, i: int) -> None:
         rows = block.view(inputs.k, -1, row)
-        ranks = rows.abs().argsort(-1).argsort(-1).float()
+        order = rows.abs().argsort(-1)
+        ranks = torch.empty(rows.shape, device=block.device)  # each entry's magnitude rank in its row
+        ranks.scatter_(-1, order, torch.arange(row, dtype=torch.float32, device=block.device).expand(rows.shape))
         q = ranks.mul_(2 * params.epsilon / max(row - 1, 1)).add_(params.density - params.epsilon)
         span = inputs.span(i)
         for k in range(inputs.k):

@@ -7,7 +7,7 @@ disagrees with that of Σ_k τ_k, and take the weighted mean of the rest:
 
 SCE sets its own weights, so the merge's weights are not used (as in mergekit). Where Σ_k τ_k is
 exactly 0 the entry stays at θ0 (mergekit keeps its positive entries there), so SCE stays odd.
-Passes over a tensor: the variance's selection (two when the tensor is read in blocks), the mean
+Passes over a tensor: the variances (kept whole beside the output, for their selection), the mean
 squares, the merge; a tensor that fits the block budget is read once.
 """
 
@@ -27,37 +27,36 @@ class Params(MethodParams):
     select_topk: float = Field(1.0, ge=0.0, le=1.0)  # share of the non-zero variances selected
 
 
-def selection(inputs: TensorInputs, share: float):
-    """The selector of block i's entries (None: all of them)."""
+def selection(inputs: TensorInputs, share: float) -> torch.Tensor | None:
+    """The selected entries, (n,) bool (None: all of them): one pass for the variances across
+    models (kept whole, as large as the output), then their exact k-th largest."""
     if share >= 1:
         return None
-
-    def variance(i: int) -> torch.Tensor:
-        return inputs.block(i).var(0, unbiased=False).view(1, -1)
-
-    nonzero = sum(int(variance(i).count_nonzero()) for i in inputs.blocks)
-    k = int(nonzero * share)
+    variance = torch.empty(inputs.numel, dtype=torch.float32, device=inputs.device)
+    for i in inputs.blocks:
+        taus = inputs.block(i)
+        # (τ − mean)² averaged over the models: torch.var over the first of two dimensions is 5× slower.
+        torch.mean((taus - taus.mean(0)).square_(), 0, out=variance[inputs.span(i)])
+    k = int(int(variance.count_nonzero()) * share)
     if k == 0:
-        return lambda i: torch.zeros(inputs.span(i).stop - inputs.span(i).start, device=inputs.device)
-    whole = len(inputs.blocks) == 1
-    threshold = kth_largest_abs(variance(0) if whole else lambda: (variance(i) for i in inputs.blocks), k, inputs.numel)
-    return lambda i: (variance(i)[0] >= threshold).float()
+        return torch.zeros(inputs.numel, dtype=torch.bool, device=inputs.device)
+    return variance >= kth_largest_abs(variance.view(1, -1), k)
 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
     selected = selection(inputs, params.select_topk)
 
-    def block(i: int) -> torch.Tensor:
-        taus = inputs.block(i)
-        return taus if selected is None else taus * selected(i)
+    def chosen(taus: torch.Tensor, i: int) -> torch.Tensor:
+        return taus if selected is None else taus * selected[inputs.span(i)]
 
-    squares = sum(block(i).square().sum(1, dtype=torch.float64) for i in inputs.blocks) / inputs.numel
+    squares = sum(chosen(inputs.block(i), i).square().sum(1, dtype=torch.float64) for i in inputs.blocks)
+    squares = squares / inputs.numel
     total = float(squares.sum())
     c = squares / total if abs(total) >= MIN_WEIGHTS else torch.full_like(squares, 1 / inputs.k)
     c = c.float().view(-1, 1)
 
     def merged(taus: torch.Tensor, i: int) -> torch.Tensor:
-        taus = taus if selected is None else taus * selected(i)
+        taus = chosen(taus, i)
         agree = taus.sign() == taus.sum(0).sign()
         agree &= taus != 0
         return (taus * c * agree).sum(0) / (c * agree).sum(0).clamp_min(MIN_WEIGHTS)
