@@ -213,6 +213,21 @@ def cmd_merge(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_tune_merge(args: argparse.Namespace) -> None:
+    from pipeline.merge_search import PLOT, search_dir, tune_merge
+
+    cfg, run_dir = resolve_run(args)
+    result = tune_merge(cfg, run_dir)
+    given, best = result["given"], result["best"]
+    print(f"{result['merge']}: {len(result['trials'])} trials on {sum(result['dev'].values())} dev examples")
+    print(f"given weights {[round(w, 3) for w in given['weights']]}: dev loss {given['dev_loss']:.4f}")
+    print(
+        f"chosen (trial {best['trial']}) {[round(w, 3) for w in best['weights']]} {best['params'] or ''}: "
+        f"dev loss {best['dev_loss']:.4f}"
+    )
+    print(f"merged: {best['checkpoint']}; plot: {search_dir(run_dir, result['merge']) / PLOT}")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     """``merit bench NAME [options]``: the benchmark's module parses its own options."""
     import importlib
@@ -279,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out-path", help="override the spec's out_path")
     merge.add_argument("--device", choices=["cpu", "cuda"], help="override the spec's device")
     merge.set_defaults(func=cmd_merge)
+
+    tune = sub.add_parser(
+        "tune-merge", help="search a merge's branch weights (and method parameters) on the dev split (merge.search)"
+    )
+    add_run_options(tune).set_defaults(func=cmd_tune_merge)
 
     bench = sub.add_parser(
         "bench",

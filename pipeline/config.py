@@ -319,8 +319,26 @@ class MergeEntry(Section):
         return rules_for(self.method, self.params, self.rules)
 
 
+class MergeSearch(Section):
+    """``merit tune-merge``: the weights of one merge's branches (and ranges of its method's
+    parameters) searched by Optuna, each trial scored on the trained sources' held-out examples."""
+
+    merge: str = "token_average"  # the merge.methods entry searched; its own weights are trial 0
+    trials: int = Field(20, ge=1)
+    sampler: Literal["tpe", "cmaes"] = "tpe"
+    params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
+    max_examples_per_source: int = Field(32, ge=1)  # the dev split: the first held-out examples of each
+
+    @model_validator(mode="after")
+    def _ranges(self) -> MergeSearch:
+        if bad := {name: r for name, r in self.params.items() if not r[0] < r[1]}:
+            raise ValueError(f"merge.search.params: a range is [low, high] with low < high, got {bad}")
+        return self
+
+
 class MergeSection(Section):
     methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]
+    search: MergeSearch = MergeSearch()
     device: Literal["cpu", "cuda"] = "cpu"
     out_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: the branches' dtype
     fisher_examples: int = Field(64, ge=1)  # per branch, for methods that need a diagonal Fisher
@@ -329,6 +347,24 @@ class MergeSection(Section):
     @model_validator(mode="after")
     def _unique_names(self) -> MergeSection:
         require_unique([m.name for m in self.methods], "merge")
+        return self
+
+    @model_validator(mode="after")
+    def _searchable(self) -> MergeSection:
+        entry = next((m for m in self.methods if m.name == self.search.merge), None)
+        if entry is None:
+            if self.search.merge == MergeSearch().merge and not self.search.params:
+                return self  # the default names a merge this config does not have: nothing to search
+            raise ValueError(f"merge.search.merge: no merge named '{self.search.merge}' in merge.methods")
+        if self.search.params:
+            if entry.method is None:
+                raise ValueError(f"merge.search.params: merge '{entry.name}' has rules; search one method's params")
+            method = get_method(entry.method)
+            if unknown := sorted(set(self.search.params) - set(method.params.model_fields)):
+                raise ValueError(f"merge.search.params: {entry.method} has no parameters {unknown}")
+            low = {name: r[0] for name, r in self.search.params.items()}
+            method.validate(entry.params | low)  # the range's ends must be valid values
+            method.validate(entry.params | {name: r[1] for name, r in self.search.params.items()})
         return self
 
 

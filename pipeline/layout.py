@@ -19,6 +19,7 @@ CALIBRATION = "calibration"
 BRANCHES = "branches"  # branches/<k>/ for the K groups of the split
 JOINT = "joint"  # the joint baseline, trained like a branch on every source
 MERGED = "merged"  # merged/<name>/ for each merge the config lists
+SEARCH = "search"  # search/<merge>/: merit tune-merge's study, trials and chosen merge
 DILOCO = "diloco"  # diloco/<method>-<shards>/ for each DiLoCo method the config lists
 DILOCO_PLAN = "plan.json"  # a DiLoCo variant's settings, in its folder
 EVAL = "eval"  # eval/<model>.json

@@ -1,0 +1,199 @@
+"""``merit tune-merge``: a merge's branch weights, and ranges of its method's parameters, searched
+by Optuna (TPE or CMA-ES), each trial a streamed merge of the run's branches scored on a dev split.
+
+The dev split is the first ``merge.search.max_examples_per_source`` held-out examples of each
+trained source, scored by their token-weighted loss (lower is better): never the report's
+benchmarks, which no trial sees. Trial 0 is the merge as the config gives it (MERIT's n_k weights
+for ``weighting: tokens``), so the chosen merge is never worse on the dev split than n_k. The
+study is an SQLite file in ``search/<merge>/``: a search killed mid-trial resumes where it
+stopped (the interrupted trial is marked failed and another run in its place), and a finished one
+is not rerun. One command runs a search at a time: trials run one after the other.
+
+Cost per trial: one merge (θ0 and the K branches read once, one checkpoint written), one load of
+the merged model, a forward pass over the dev examples. At 7B with K = 8 full branches that is
+9 × 15 GB read (≈ 2.5 min at 1 GB/s) and 15 GB written; 20 trials ≈ an hour of one machine,
+against the branches' GPU-days.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import read_manifest, write_json_atomic
+from pipeline.config import MergeEntry, RunConfig
+from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
+from pipeline.layout import SEARCH, init_path
+from pipeline.merge import get_method, merge_checkpoints
+from pipeline.merging import branch_finals, entry_spec, find_entry, group_tokens
+from pipeline.models import load_model, load_processor
+
+STUDY = "study.db"
+RESULT = "search.json"
+PLOT = "search.png"
+
+
+def search_dir(run_dir: str | Path, merge: str) -> Path:
+    return Path(run_dir) / SEARCH / merge
+
+
+def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
+    """The first examples of each trained source's held-out split."""
+    heldout = Heldout.load(cfg, run_dir, source_roles(run_dir)).trained()
+    limit = cfg.merge.search.max_examples_per_source
+    return Heldout({src: items[:limit] for src, items in heldout.examples.items()}, heldout.roles)
+
+
+def dev_loss(cfg: RunConfig, checkpoint: Path, dev: Heldout, name: str) -> float:
+    model = load_model(checkpoint, cfg.model).to(eval_device(cfg)).eval()
+    sources = score_model(cfg, model, load_processor(checkpoint, cfg.model), dev, name, accuracy=False)
+    return summarise(sources)["loss"]
+
+
+class Search:
+    """The study of one merge entry over the run's branches."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path):
+        import optuna
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.entry: MergeEntry = find_entry(cfg, cfg.merge.search.merge)
+        self.finals = branch_finals(run_dir)
+        self.tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in self.finals])
+        self.folder = search_dir(run_dir, self.entry.name)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.dev = dev_split(cfg, run_dir)
+        search = cfg.merge.search
+        self.storage = storage = optuna.storages.RDBStorage(f"sqlite:///{self.folder / STUDY}")
+        sampler = (
+            optuna.samplers.CmaEsSampler(seed=cfg.run.seed)
+            if search.sampler == "cmaes"
+            else optuna.samplers.TPESampler(seed=cfg.run.seed)
+        )
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(
+            study_name=self.entry.name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
+        )
+
+    def given(self) -> dict[str, float]:
+        """Trial 0: the merge as configured (weights normalised; the method's own parameter values)."""
+        raw = self.tokens if self.entry.weighting == "tokens" else [1.0] * len(self.finals)
+        point = {f"w{k}": w / max(raw) for k, w in enumerate(raw)}
+        params = get_method(self.entry.method).validate(self.entry.params) if self.entry.method else None
+        for name, (low, high) in self.cfg.merge.search.params.items():
+            point[name] = min(max(float(getattr(params, name)), low), high)
+        return point
+
+    def spec(self, point: dict[str, float], out: Path):
+        """The merge spec of a point: the entry's method with the point's weights and parameters."""
+        entry = self.entry.model_copy(update={"weighting": "equal"})
+        if self.cfg.merge.search.params:
+            entry = entry.model_copy(update={"params": self.entry.params | self.params(point)})
+        spec = entry_spec(self.cfg, entry, init_path(self.cfg, self.run_dir), self.finals, self.tokens, out)
+        weights = self.weights(point)
+        models = [m.model_copy(update={"weight": w}) for m, w in zip(spec.models, weights)]
+        return spec.model_copy(update={"models": models})
+
+    def weights(self, point: dict[str, float]) -> list[float]:
+        raw = [point[f"w{k}"] for k in range(len(self.finals))]
+        total = sum(raw)
+        return [w / total for w in raw] if total > 0 else [1 / len(raw)] * len(raw)
+
+    def params(self, point: dict[str, float]) -> dict[str, float]:
+        return {name: point[name] for name in self.cfg.merge.search.params}
+
+    def objective(self, trial) -> float:
+        point = {f"w{k}": trial.suggest_float(f"w{k}", 0.0, 1.0) for k in range(len(self.finals))}
+        for name, (low, high) in self.cfg.merge.search.params.items():
+            point[name] = trial.suggest_float(name, low, high)
+        out = self.folder / "trial"
+        shutil.rmtree(out, ignore_errors=True)
+        merge_checkpoints(self.spec(point, out), progress=False)
+        try:
+            return dev_loss(self.cfg, out, self.dev, f"trial {trial.number}")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def run(self) -> dict[str, Any]:
+        import optuna
+
+        # One command runs a search at a time: a trial still marked running was killed with it
+        # (a frozen trial names its storage row only by ``_trial_id``, as optuna's own clean-up does).
+        for trial in self.study.trials:
+            if trial.state == optuna.trial.TrialState.RUNNING:
+                self.storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        waiting = [t for t in self.study.trials if t.state == optuna.trial.TrialState.WAITING]
+        if not any(t.user_attrs.get("given") for t in done + waiting):  # first, or killed before it finished
+            self.study.enqueue_trial(self.given(), user_attrs={"given": True})
+        remaining = self.cfg.merge.search.trials - len(done)
+        if remaining > 0:
+            self.study.optimize(self.objective, n_trials=remaining, show_progress_bar=True)
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        """The chosen merge written to ``best/``, ``search.json`` and the plot."""
+        import optuna
+
+        trials = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        given, best = next(t for t in trials if t.user_attrs.get("given")), self.study.best_trial
+        merge_checkpoints(self.spec(best.params, self.folder / "best"), progress=False, trial=best.number)
+        result = {
+            "merge": self.entry.name,
+            "method": self.entry.method,
+            "sampler": self.cfg.merge.search.sampler,
+            "dev": {src: len(items) for src, items in self.dev.examples.items()},
+            "given": {"trial": given.number, "dev_loss": given.value, "weights": self.weights(given.params)},
+            "best": {
+                "trial": best.number,
+                "dev_loss": best.value,
+                "weights": self.weights(best.params),
+                "params": self.params(best.params),
+                "checkpoint": str(self.folder / "best"),
+            },
+            "trials": [
+                {
+                    "trial": t.number,
+                    "dev_loss": t.value,
+                    "weights": self.weights(t.params),
+                    "params": self.params(t.params),
+                }
+                for t in trials
+            ],
+        }
+        write_json_atomic(self.folder / RESULT, result)
+        plot_search(result, self.folder / PLOT)
+        return result
+
+
+def tune_merge(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:
+    return Search(cfg, run_dir).run()
+
+
+def plot_search(result: dict[str, Any], path: Path) -> None:
+    """Dev loss per trial with the running best, beside the given and the chosen weights."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = result["trials"]
+    numbers, losses = [t["trial"] for t in trials], [t["dev_loss"] for t in trials]
+    running = [min(losses[: i + 1]) for i in range(len(losses))]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(numbers, losses, "o", color="tab:blue", label="trial")
+    left.plot(numbers, running, "-", color="tab:green", label="best so far")
+    left.axhline(result["given"]["dev_loss"], color="tab:red", linestyle="--", label="given weights")
+    left.set(xlabel="trial", ylabel="dev loss (held-out, trained sources)", title=f"search of {result['merge']}")
+    left.legend()
+    k = range(len(result["best"]["weights"]))
+    right.bar([i - 0.2 for i in k], result["given"]["weights"], width=0.4, color="tab:red", label="given")
+    right.bar([i + 0.2 for i in k], result["best"]["weights"], width=0.4, color="tab:green", label="chosen")
+    right.set(xlabel="branch", ylabel="weight", title="branch weights", xticks=list(k))
+    right.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,155 @@
+"""``merit tune-merge``: Optuna over a merge's branch weights (and a method's parameters), each trial
+a merge of the run's branches scored on the trained sources' held-out examples; resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import torch
+from conftest import prepared_run
+from safetensors.torch import load_file
+
+from merit.cli import main as merit
+from pipeline.checkpoint import save_pretrained_checkpoint, verify_checkpoint
+from pipeline.config import ConfigError, load_config
+from pipeline.data import active_sources, read_manifest
+from pipeline.layout import branch_dir, run_config
+from pipeline.merge_search import PLOT, RESULT, STUDY, search_dir
+from pipeline.models import load_model, load_processor
+
+
+@pytest.fixture(scope="module")
+def branches(tmp_path_factory):
+    """The demo prepared at test size, its trained sources split in two groups, and two branches:
+    θ0 moved by noise of different sizes (so their weights change the dev loss)."""
+    run = prepared_run(tmp_path_factory.mktemp("search") / "run")
+    cfg, _ = run_config(None, [], run)
+    trained = sorted(s for s, info in active_sources(read_manifest(run)).items() if info["role"] == "finetune")
+    groups = [trained[: len(trained) // 2], trained[len(trained) // 2 :]]
+    (run / "calibration").mkdir(exist_ok=True)
+    (run / "calibration" / "split.json").write_text(json.dumps({"groups": groups}))
+    for k, size in enumerate((0.02, 0.2)):
+        model = load_model(run / "init", cfg.model)
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(size * torch.randn(p.shape, generator=g))
+        processor = load_processor(run / "init", cfg.model)
+        save_pretrained_checkpoint(
+            branch_dir(run, k) / "final",
+            model,
+            processor,
+            step=1,
+            tokens_seen=1,
+            parent=str(run / "init"),
+            sources=groups[k],
+        )
+    return run
+
+
+def search_args(run, *settings):
+    return ["tune-merge", "--run-dir", str(run), *[a for s in settings for a in ("--set", s)]]
+
+
+def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branches, capsys):
+    run = branches
+    settings = ["merge.search.trials=4", "merge.search.max_examples_per_source=2"]
+    assert merit(search_args(run, *settings)) == 0
+    assert "dev loss" in capsys.readouterr().out
+    folder = search_dir(run, "token_average")
+    result = json.loads((folder / RESULT).read_text())
+    groups = json.loads((run / "calibration" / "split.json").read_text())["groups"]
+    tokens = [sum(active_sources(read_manifest(run))[s]["train_tokens"] for s in group) for group in groups]
+    assert result["given"]["trial"] == 0 and len(result["trials"]) == 4
+    assert result["given"]["weights"] == pytest.approx([t / sum(tokens) for t in tokens])  # MERIT's n_k
+    assert result["best"]["dev_loss"] == min(t["dev_loss"] for t in result["trials"]) <= result["given"]["dev_loss"]
+    assert (folder / PLOT).stat().st_size > 0 and not (folder / "trial").exists()
+    # The chosen merge is the weighted average of the branches with the chosen weights.
+    verify_checkpoint(folder / "best")
+    w = result["best"]["weights"]
+    finals = [load_file(branch_dir(run, k) / "final" / "model.safetensors") for k in range(2)]
+    name = next(n for n in finals[0] if n.endswith("layers.0.mlp.up_proj.weight"))
+    best = load_file(folder / "best" / "model.safetensors")[name]
+    assert torch.allclose(best, w[0] * finals[0][name] + w[1] * finals[1][name], atol=1e-6)
+    # Resumed: a finished search adds nothing; a larger budget adds only the missing trials.
+    study = optuna.load_study(study_name="token_average", storage=f"sqlite:///{folder / STUDY}")
+    first = [t.params for t in study.trials]
+    assert merit(search_args(run, *settings)) == 0
+    assert len(optuna.load_study(study_name="token_average", storage=f"sqlite:///{folder / STUDY}").trials) == 4
+    assert merit(search_args(run, "merge.search.trials=6", "merge.search.max_examples_per_source=2")) == 0
+    study = optuna.load_study(study_name="token_average", storage=f"sqlite:///{folder / STUDY}")
+    assert len(study.trials) == 6 and [t.params for t in study.trials[:4]] == first
+
+
+def test_a_method_parameter_is_searched_within_its_range(branches):
+    run = branches
+    settings = [
+        "merge.methods=[{name: ties, method: ties, params: {density: 0.5}}]",
+        "merge.search.merge=ties",
+        "merge.search.params={density: [0.2, 0.8]}",
+        "merge.search.trials=3",
+        "merge.search.max_examples_per_source=2",
+        "merge.search.sampler=cmaes",
+    ]
+    assert merit(search_args(run, *settings)) == 0
+    result = json.loads((search_dir(run, "ties") / RESULT).read_text())
+    assert result["trials"][0]["params"] == {"density": 0.5}  # the configured value first
+    assert all(0.2 <= t["params"]["density"] <= 0.8 for t in result["trials"])
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("merge.search.merge=nope", "no merge named 'nope'"),
+        ("merge.search.params={nope: [0, 1]}", "has no parameters"),
+        ("merge.search.params={scale: [2, 1]}", "low < high"),
+    ],
+)
+def test_a_search_that_cannot_run_is_refused_with_the_config(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [setting])
+
+
+def test_a_search_killed_mid_trial_resumes_and_fails_that_trial(branches, tmp_path):
+    """Failure injection: SIGKILL the command while a trial's merge is on disk; the rerun marks the
+    interrupted trial failed, runs the missing trials and leaves no trial checkpoint behind."""
+    run = branches
+    settings = [
+        "merge.methods=[{name: avg2, method: weighted_average}]",
+        "merge.search.merge=avg2",
+        "merge.search.params={}",
+    ]
+    settings += ["merge.search.trials=3", "merge.search.max_examples_per_source=2"]
+    folder = search_dir(run, "avg2")
+    command = [sys.executable, "-m", "merit", *search_args(run, *settings)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (folder / STUDY).is_file() or not completed(folder) or not (folder / "trial").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the search ended before a second trial"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert merit(search_args(run, *settings)) == 0
+    study = optuna.load_study(study_name="avg2", storage=f"sqlite:///{folder / STUDY}")
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") == 3 and states.count("FAIL") == 1 and "RUNNING" not in states
+    assert not (folder / "trial").exists() and verify_checkpoint(folder / "best")
+
+
+def completed(folder) -> int:
+    """Trials complete so far, read without touching the schema the command is creating."""
+    try:
+        with sqlite3.connect(f"file:{folder / STUDY}?mode=ro", uri=True) as db:
+            return db.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
+    except sqlite3.OperationalError:  # no such table yet
+        return 0
