@@ -152,6 +152,8 @@ def merit(
     for where in splits:
         for entry in cfg.merge.methods:
             tasks.merge(where, entry.name)
+    if cfg.merge.search.enabled:  # on MERIT's split: the controls keep their configured weights
+        tasks.tune_merge(run_dir, cfg.merge.search.merge)
     return evaluate_and_report(cfg, run_dir)
 
 

@@ -176,6 +176,15 @@ def merge(run_dir: str, name: str) -> dict[str, Any]:
     return merge_run(run_config(run_dir), run_dir, name)
 
 
+@task(name="tune-merge", task_run_name="tune-merge-{merge}")
+def tune_merge(run_dir: str, merge: str) -> dict[str, Any]:
+    """merge.search: the chosen weights of one merge (``merge`` names the task run)."""
+    from pipeline.merge_search import tune_merge as search
+
+    result = search(run_config(run_dir), run_dir)
+    return {k: result[k] for k in ("merge", "given", "best")}
+
+
 @task(name="evaluate", task_run_name="evaluate-{model}")
 def evaluate(run_dir: str, model: str, checkpoint: str) -> dict[str, Any]:
     """Held-out loss and exact-match accuracy of one model; returns its overall and per-role figures."""

@@ -214,7 +214,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
 
 def cmd_tune_merge(args: argparse.Namespace) -> None:
-    from pipeline.merge_search import PLOT, search_dir, tune_merge
+    from pipeline.layout import SEARCH_PLOT, search_dir
+    from pipeline.merge_search import tune_merge
 
     cfg, run_dir = resolve_run(args)
     result = tune_merge(cfg, run_dir)
@@ -225,7 +226,7 @@ def cmd_tune_merge(args: argparse.Namespace) -> None:
         f"chosen (trial {best['trial']}) {[round(w, 3) for w in best['weights']]} {best['params'] or ''}: "
         f"dev loss {best['dev_loss']:.4f}"
     )
-    print(f"merged: {best['checkpoint']}; plot: {search_dir(run_dir, result['merge']) / PLOT}")
+    print(f"merged: {best['checkpoint']}; plot: {search_dir(run_dir, result['merge']) / SEARCH_PLOT}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -323,6 +323,7 @@ class MergeSearch(Section):
     """``merit tune-merge``: the weights of one merge's branches (and ranges of its method's
     parameters) searched by Optuna, each trial scored on the trained sources' held-out examples."""
 
+    enabled: bool = False  # the merit flow searches after its merges; the report shows the chosen merge
     merge: str = "token_average"  # the merge.methods entry searched; its own weights are trial 0
     trials: int = Field(20, ge=1)
     sampler: Literal["tpe", "cmaes"] = "tpe"
@@ -353,7 +354,7 @@ class MergeSection(Section):
     def _searchable(self) -> MergeSection:
         entry = next((m for m in self.methods if m.name == self.search.merge), None)
         if entry is None:
-            if self.search.merge == MergeSearch().merge and not self.search.params:
+            if self.search.merge == MergeSearch().merge and not (self.search.params or self.search.enabled):
                 return self  # the default names a merge this config does not have: nothing to search
             raise ValueError(f"merge.search.merge: no merge named '{self.search.merge}' in merge.methods")
         if self.search.params:

@@ -20,6 +20,7 @@ BRANCHES = "branches"  # branches/<k>/ for the K groups of the split
 JOINT = "joint"  # the joint baseline, trained like a branch on every source
 MERGED = "merged"  # merged/<name>/ for each merge the config lists
 SEARCH = "search"  # search/<merge>/: merit tune-merge's study, trials and chosen merge
+SEARCH_RESULT, SEARCH_PLOT = "search.json", "search.png"  # in search/<merge>/
 DILOCO = "diloco"  # diloco/<method>-<shards>/ for each DiLoCo method the config lists
 DILOCO_PLAN = "plan.json"  # a DiLoCo variant's settings, in its folder
 EVAL = "eval"  # eval/<model>.json
@@ -127,6 +128,20 @@ def merged_dir(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / MERGED / name
 
 
+def search_dir(run_dir: str | Path, merge: str) -> Path:
+    return Path(run_dir) / SEARCH / merge
+
+
+def tuned_dir(run_dir: str | Path, merge: str) -> Path:
+    """The merge ``merit tune-merge`` chose for ``merge``."""
+    return search_dir(run_dir, merge) / "best"
+
+
+def tuned_name(cfg: RunConfig) -> str:
+    """The chosen merge's model name: ``merged-<merge>-tuned``."""
+    return f"merged-{cfg.merge.search.merge}-tuned"
+
+
 def split_groups(run_dir: str | Path) -> list[list[str]]:
     """The groups of the split (``calibration/split.json``): one branch each."""
     path = Path(run_dir) / CALIBRATION / "split.json"
@@ -137,7 +152,8 @@ def split_groups(run_dir: str | Path) -> list[list[str]]:
 
 def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
     """Where each model of the run as configured lives, by the name its evaluation and the report
-    use: ``theta0``, ``branch-<k>`` (one per group of the split), ``joint``, ``merged-<name>``."""
+    use: ``theta0``, ``branch-<k>`` (one per group of the split), ``joint``, ``merged-<name>`` (and
+    ``merged-<name>-tuned``, the weights ``merge.search`` chose)."""
     run_dir = Path(run_dir)
     groups = split_groups(run_dir) if (run_dir / CALIBRATION / "split.json").is_file() else []
     try:
@@ -149,6 +165,7 @@ def model_paths(cfg: RunConfig, run_dir: str | Path) -> dict[str, Path]:
         **{f"branch-{k}": branch_dir(run_dir, k) / "final" for k in range(len(groups))},
         "joint": run_dir / JOINT / "final",
         **{f"merged-{m.name}": merged_dir(run_dir, m.name) for m in cfg.merge.methods},
+        **({tuned_name(cfg): tuned_dir(run_dir, cfg.merge.search.merge)} if cfg.merge.search.enabled else {}),
         **diloco_finals(run_dir),
     }
 

@@ -24,18 +24,12 @@ from typing import Any
 from pipeline.checkpoint import read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
-from pipeline.layout import SEARCH, init_path
+from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
 from pipeline.merging import branch_finals, entry_spec, find_entry, group_tokens
 from pipeline.models import load_model, load_processor
 
 STUDY = "study.db"
-RESULT = "search.json"
-PLOT = "search.png"
-
-
-def search_dir(run_dir: str | Path, merge: str) -> Path:
-    return Path(run_dir) / SEARCH / merge
 
 
 def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
@@ -138,7 +132,8 @@ class Search:
 
         trials = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         given, best = next(t for t in trials if t.user_attrs.get("given")), self.study.best_trial
-        merge_checkpoints(self.spec(best.params, self.folder / "best"), progress=False, trial=best.number)
+        best_dir = tuned_dir(self.run_dir, self.entry.name)
+        merge_checkpoints(self.spec(best.params, best_dir), progress=False, trial=best.number)
         result = {
             "merge": self.entry.name,
             "method": self.entry.method,
@@ -150,7 +145,7 @@ class Search:
                 "dev_loss": best.value,
                 "weights": self.weights(best.params),
                 "params": self.params(best.params),
-                "checkpoint": str(self.folder / "best"),
+                "checkpoint": str(best_dir),
             },
             "trials": [
                 {
@@ -162,8 +157,8 @@ class Search:
                 for t in trials
             ],
         }
-        write_json_atomic(self.folder / RESULT, result)
-        plot_search(result, self.folder / PLOT)
+        write_json_atomic(self.folder / SEARCH_RESULT, result)
+        plot_search(result, self.folder / SEARCH_PLOT)
         return result
 
 

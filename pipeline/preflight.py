@@ -112,7 +112,16 @@ def _merges(cfg: RunConfig, run_dir: str | Path) -> str:
     for entry in cfg.merge.methods:
         fishers = [Path(f"branches/{i}/fisher") for i in range(k)] if needs_fisher(entry) else None
         entry_spec(cfg, entry, "θ0", branches, [1] * k, Path(f"merged/{entry.name}"), fishers)
-    return ", ".join(m.name for m in cfg.merge.methods)
+    checked = ", ".join(m.name for m in cfg.merge.methods)
+    search = cfg.merge.search
+    if not search.enabled:
+        return checked
+    fractions = [
+        cfg.data.heldout_fraction if s.heldout_fraction is None else s.heldout_fraction for s in cfg.data.sources
+    ]
+    if not any(fractions):
+        raise ValueError("merge.search scores its trials on the trained sources' held-out examples, and they have none")
+    return f"{checked}; the search of {search.merge} ({search.trials} trials)"
 
 
 def _devices(cfg: RunConfig, run_dir: str | Path) -> str:

@@ -21,8 +21,10 @@ from merit.cli import main as merit
 from pipeline.checkpoint import save_pretrained_checkpoint, verify_checkpoint
 from pipeline.config import ConfigError, load_config
 from pipeline.data import active_sources, read_manifest
-from pipeline.layout import branch_dir, run_config
-from pipeline.merge_search import PLOT, RESULT, STUDY, search_dir
+from pipeline.eval import evaluate_model
+from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, branch_dir, run_config, run_models, search_dir, tuned_dir
+from pipeline.merge_search import STUDY
+from pipeline.merging import merge_run
 from pipeline.models import load_model, load_processor
 
 
@@ -65,13 +67,13 @@ def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branc
     assert merit(search_args(run, *settings)) == 0
     assert "dev loss" in capsys.readouterr().out
     folder = search_dir(run, "token_average")
-    result = json.loads((folder / RESULT).read_text())
+    result = json.loads((folder / SEARCH_RESULT).read_text())
     groups = json.loads((run / "calibration" / "split.json").read_text())["groups"]
     tokens = [sum(active_sources(read_manifest(run))[s]["train_tokens"] for s in group) for group in groups]
     assert result["given"]["trial"] == 0 and len(result["trials"]) == 4
     assert result["given"]["weights"] == pytest.approx([t / sum(tokens) for t in tokens])  # MERIT's n_k
     assert result["best"]["dev_loss"] == min(t["dev_loss"] for t in result["trials"]) <= result["given"]["dev_loss"]
-    assert (folder / PLOT).stat().st_size > 0 and not (folder / "trial").exists()
+    assert (folder / SEARCH_PLOT).stat().st_size > 0 and not (folder / "trial").exists()
     # The chosen merge is the weighted average of the branches with the chosen weights.
     verify_checkpoint(folder / "best")
     w = result["best"]["weights"]
@@ -100,7 +102,7 @@ def test_a_method_parameter_is_searched_within_its_range(branches):
         "merge.search.sampler=cmaes",
     ]
     assert merit(search_args(run, *settings)) == 0
-    result = json.loads((search_dir(run, "ties") / RESULT).read_text())
+    result = json.loads((search_dir(run, "ties") / SEARCH_RESULT).read_text())
     assert result["trials"][0]["params"] == {"density": 0.5}  # the configured value first
     assert all(0.2 <= t["params"]["density"] <= 0.8 for t in result["trials"])
 
@@ -153,3 +155,31 @@ def completed(folder) -> int:
             return db.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
     except sqlite3.OperationalError:  # no such table yet
         return 0
+
+
+def test_the_chosen_merge_is_a_model_of_the_run_and_the_report_shows_the_search(branches):
+    run = branches
+    settings = ["merge.methods=[{name: token_average, method: weighted_average}]", "merge.search.merge=token_average"]
+    settings += ["merge.search.params={}", "merge.search.enabled=true", "merge.search.trials=2"]
+    assert merit(search_args(run, *settings, "merge.search.max_examples_per_source=2")) == 0
+    cfg, _ = run_config(None, [], run)
+    merge_run(cfg, run, "token_average")
+    models = run_models(cfg, run)
+    assert models["merged-token_average-tuned"] == str(tuned_dir(run, "token_average"))
+    for name in ("merged-token_average", "merged-token_average-tuned"):
+        evaluate_model(cfg, run, name, models[name])
+    assert merit(["report", "--run-dir", str(run)]) == 0
+    report = json.loads((run / "report" / "report.json").read_text())
+    rows = {row["model"]: row for row in report["quality"]["rows"]}
+    assert rows["token_average: weighted_average, weights searched"]["split"] == "MERIT-2"
+    assert report["search"]["given"]["trial"] == 0 and report["search"]["trials"] >= 2
+    assert f"../search/token_average/{SEARCH_PLOT}" in report["plots"]
+    assert "## Merge weight search" in (run / "report" / "report.md").read_text()
+
+
+def test_preflight_refuses_a_search_without_held_out_examples(tmp_path):
+    from pipeline.preflight import PreflightError, check_run
+
+    cfg = load_config(None, ["merge.search.enabled=true", "data.heldout_fraction=0"])
+    with pytest.raises(PreflightError, match="merges: merge.search scores its trials on the trained sources' held-out"):
+        check_run(cfg, tmp_path)

@@ -13,7 +13,8 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.data.benchmark import TASKS as TOY_TASKS
 from pipeline.eval.benchmarks import CONSTANT, benchmark_tasks
-from pipeline.report.quality import merge_label
+from pipeline.layout import tuned_name
+from pipeline.report.quality import merge_label, tuned_label
 
 CONSTANT_NOTE = (
     " The *constant answer* row answers every question of a toy task with the task's best single answer"
@@ -34,6 +35,7 @@ def benchmark_section(
     ``controls``: each control's models and scores."""
     tasks, k = benchmark_tasks(cfg), cfg.branch_count
     labels = {"theta0": "θ0"} | {f"merged-{entry.name}": merge_label(entry) for entry in cfg.merge.methods}
+    labels |= {tuned_name(cfg): tuned_label(e) for e in cfg.merge.methods if e.name == cfg.merge.search.merge}
     found = _rows(models, scores, labels, f"MERIT-{k}")
     for name, (theirs, their_scores) in controls.items():
         merged = [m for m in theirs if m["kind"] == "merged"]

@@ -31,9 +31,11 @@ from pipeline.layout import (
     EVAL,
     JOINT,
     MERGED,
+    SEARCH_RESULT,
     WARMUP,
     diloco_finals,
     model_paths,
+    search_dir,
 )
 from pipeline.merge.spec import ModelEntry
 
@@ -113,6 +115,7 @@ class RunRecords:
     benchmarks: dict[str, dict[str, Any]]  # model name -> its current benchmark scores (read_scores)
     controls: list[Control]
     diloco: list[dict[str, Any]]  # diloco_runs
+    search: dict[str, Any]  # merit tune-merge's search.json of merge.search's merge ({}: none)
 
 
 def collect(run_dir: str | Path) -> RunRecords:
@@ -139,6 +142,7 @@ def collect(run_dir: str | Path) -> RunRecords:
         benchmarks=benchmark_scores(cfg, run_dir, models),
         controls=controls,
         diloco=diloco_runs(run_dir),
+        search=read_json(search_dir(run_dir, cfg.merge.search.merge) / SEARCH_RESULT),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.manifest import active_sources
+from pipeline.layout import SEARCH, SEARCH_PLOT
 from pipeline.report.benchmarks import benchmark_section
 from pipeline.report.branches import branch_rows, budget, budget_and_weights, merge_weights
 from pipeline.report.collect import Evaluation, Merge, RunRecords, Training
@@ -102,6 +103,12 @@ def derive(records: RunRecords) -> Derived:
     diloco = diloco_summary(records.diloco, models)
     if diloco:
         report["diloco"] = {k: diloco[k] for k in ("rows", "notes")}
+    if search := records.search:
+        report["search"] = {k: search[k] for k in ("merge", "method", "sampler", "given", "best")}
+        report["search"]["trials"], report["search"]["dev_examples"] = (
+            len(search["trials"]),
+            sum(search["dev"].values()),
+        )
 
     figures = Figures(
         benchmarks=benchmark_bars(benchmarks["rows"]) if benchmarks else None,
@@ -112,7 +119,9 @@ def derive(records: RunRecords) -> Derived:
         curves=training_curves(records.trainings),
         quality=quality["rows"] if quality else None,
         diloco={f"{run['variant']} ({run['sync']})": run["records"] for run in records.diloco} or None,
-        others=records.calibration.plots + [t.loss_plot for t in records.trainings if t.loss_plot],
+        others=records.calibration.plots
+        + [t.loss_plot for t in records.trainings if t.loss_plot]
+        + ([f"{SEARCH}/{records.search['merge']}/{SEARCH_PLOT}"] if records.search else []),
     )
     report["plots"] = figures.own() + [f"../{p}" for p in figures.others]  # relative to report/
     report["tables"] = (

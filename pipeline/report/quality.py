@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.config import EVALUATED_ROLES as ROLES
 from pipeline.config import MergeEntry, RunConfig
+from pipeline.layout import tuned_name
 from pipeline.merge.registry import get_method
 
 SCALED = ("iso_c", "iso_cts")  # whose scale the report must state: it is not the paper's by default
@@ -28,6 +29,11 @@ def merge_label(entry: MergeEntry) -> str:
     return f"{name} ({shown})" if shown else name
 
 
+def tuned_label(entry: MergeEntry) -> str:
+    """The label of the merge ``merge.search`` chose for ``entry``."""
+    return f"{merge_label(entry)}, weights searched"
+
+
 def quality_section(
     cfg: RunConfig,
     models: list[dict[str, Any]],
@@ -44,6 +50,9 @@ def quality_section(
         for split, (key, found) in splits.items():
             if m := found.get(f"merged-{entry.name}"):
                 rows.append(_row(m, merge_label(entry), split, diagnostics.get(key, {})) | {"merge": entry.name})
+            if entry.name == cfg.merge.search.merge and (m := found.get(tuned_name(cfg))):
+                label = tuned_label(entry)
+                rows.append(_row(m, label, split, diagnostics.get(key, {})) | {"merge": f"{entry.name}-tuned"})
     if not any("merge" in r for r in rows):
         return None
     barriers = {split: _barrier(diagnostics.get(key, {})) for split, (key, _) in splits.items()}

@@ -156,6 +156,21 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
                 else ""
             ),
         )
+    if search := report.get("search"):
+        given, best = search["given"], search["best"]
+        chosen = ", ".join(f"{w:.3f}" for w in best["weights"])
+        params = ", ".join(f"{k} {v:.3g}" for k, v in best["params"].items())
+        section(
+            "Merge weight search",
+            f"`merit tune-merge` searched the branch weights of merge `{search['merge']}` ({search['method']}) "
+            f"with {search['sampler']} over {search['trials']} trials, each scored by its held-out loss on "
+            f"{search['dev_examples']} held-out examples of the trained sources (not the benchmarks). "
+            f"Given weights ({', '.join(f'{w:.3f}' for w in given['weights'])}): dev loss {given['dev_loss']:.4f}; "
+            f"chosen, trial {best['trial']} ({chosen}{'; ' + params if params else ''}): dev loss "
+            f"{best['dev_loss']:.4f}. The chosen merge is scored above as the merge with its weights searched; "
+            "its held-out figures are not independent of the search (its benchmark scores are); the search's "
+            "plot is among the other plots.",
+        )
     if problems := report.get("problems"):
         intro = "Checkpoints of this run that exist but do not verify (left out of the evaluation):"
         section("Problems", intro, "\n".join(f"- {p}" for p in problems))
