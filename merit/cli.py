@@ -26,6 +26,7 @@ USER_ERRORS = {
     "pipeline.merge.spec": ("MergeSpecError",),
     "calibration.errors": ("CalibrationError", "SplitError"),
     "pipeline.train.launch": ("BranchFailed",),
+    "pipeline.eval.benchmarks": ("JobFailed",),
 }
 
 
@@ -220,11 +221,11 @@ def cmd_tune_merge(args: argparse.Namespace) -> None:
     cfg, run_dir = resolve_run(args)
     result = tune_merge(cfg, run_dir)
     given, best = result["given"], result["best"]
-    print(f"{result['merge']}: {len(result['trials'])} trials on {sum(result['dev'].values())} dev examples")
-    print(f"given weights {[round(w, 3) for w in given['weights']]}: dev loss {given['dev_loss']:.4f}")
+    print(f"{result['merge']}: {len(result['trials'])} trials, dev: {result['metric']}")
+    print(f"given weights {[round(w, 3) for w in given['weights']]}: {given['value']:.4f}")
     print(
         f"chosen (trial {best['trial']}) {[round(w, 3) for w in best['weights']]} {best['params'] or ''}: "
-        f"dev loss {best['dev_loss']:.4f}"
+        f"{best['value']:.4f}"
     )
     print(f"merged: {best['checkpoint']}; plot: {search_dir(run_dir, result['merge']) / SEARCH_PLOT}")
 

@@ -329,6 +329,9 @@ class MergeSearch(Section):
     sampler: Literal["tpe", "cmaes"] = "tpe"
     params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
     max_examples_per_source: int = Field(32, ge=1)  # the dev split: the first held-out examples of each
+    # Or lmms-eval tasks as the dev split (their mean score, maximised), never eval.benchmarks':
+    tasks: list[str] = []
+    limit: int | None = Field(None, ge=1)  # examples per dev task (lmms-eval --limit)
 
     @model_validator(mode="after")
     def _ranges(self) -> MergeSearch:
@@ -601,6 +604,15 @@ class RunConfig(Section):
                 get_method(method).check_inputs(count)
             except ValueError as err:
                 raise ValueError(f"merge '{name}': {err}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _search_apart_from_benchmarks(self) -> RunConfig:
+        if shared := sorted(set(self.merge.search.tasks) & set(self.eval.benchmarks)):
+            raise ValueError(
+                f"merge.search.tasks {shared} are also eval.benchmarks: weights searched on the report's "
+                "benchmarks would be scored on what chose them; search on other tasks or held-out examples"
+            )
         return self
 
     @model_validator(mode="after")

@@ -2,8 +2,11 @@
 by Optuna (TPE or CMA-ES), each trial a streamed merge of the run's branches scored on a dev split.
 
 The dev split is the first ``merge.search.max_examples_per_source`` held-out examples of each
-trained source, scored by their token-weighted loss (lower is better): never the report's
-benchmarks, which no trial sees. Trial 0 is the merge as the config gives it (MERIT's n_k weights
+trained source, scored by their token-weighted loss (minimised), or the lmms-eval tasks of
+``merge.search.tasks`` (``limit`` examples each), scored by their mean score (maximised): never
+the report's benchmarks, which no trial sees (the config and ``merit check`` refuse an overlap, a
+group's tasks included). A dev task that gets no score (a judge that fails) fails the trial and
+the command, naming it: it never turns into a score. Trial 0 is the merge as the config gives it (MERIT's n_k weights
 for ``weighting: tokens``), so the chosen merge is never worse on the dev split than n_k. The
 study is an SQLite file in ``search/<merge>/``: a search killed mid-trial resumes where it
 stopped (the interrupted trial is marked failed and another run in its place), and a finished one
@@ -23,6 +26,7 @@ from typing import Any
 
 from pipeline.checkpoint import read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
+from pipeline.eval.benchmarks import JobFailed, run_benchmark, search_config
 from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
@@ -45,6 +49,17 @@ def dev_loss(cfg: RunConfig, checkpoint: Path, dev: Heldout, name: str) -> float
     return summarise(sources)["loss"]
 
 
+def dev_score(cfg: RunConfig, run_dir: Path, checkpoint: Path, name: str) -> float:
+    """The mean score of the dev tasks (lmms-eval jobs in ``eval/benchmarks/<name>/``)."""
+    dev, scores = search_config(cfg), []
+    for task in cfg.merge.search.tasks:
+        record = run_benchmark(dev, run_dir, name, str(checkpoint), task)
+        if "score" not in record:
+            raise JobFailed(f"{name}: dev task {task} got no score: {record.get('error')}")
+        scores.append(record["score"]["score"])
+    return sum(scores) / len(scores)
+
+
 class Search:
     """The study of one merge entry over the run's branches."""
 
@@ -57,8 +72,9 @@ class Search:
         self.tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in self.finals])
         self.folder = search_dir(run_dir, self.entry.name)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.dev = dev_split(cfg, run_dir)
         search = cfg.merge.search
+        self.dev = None if search.tasks else dev_split(cfg, run_dir)
+        self.metric = f"mean score of {', '.join(search.tasks)}" if search.tasks else "held-out loss"
         self.storage = storage = optuna.storages.RDBStorage(f"sqlite:///{self.folder / STUDY}")
         sampler = (
             optuna.samplers.CmaEsSampler(seed=cfg.run.seed)
@@ -66,9 +82,15 @@ class Search:
             else optuna.samplers.TPESampler(seed=cfg.run.seed)
         )
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        direction = "maximize" if search.tasks else "minimize"
         self.study = optuna.create_study(
-            study_name=self.entry.name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
+            study_name=self.entry.name, storage=storage, sampler=sampler, direction=direction, load_if_exists=True
         )
+        if self.study.direction.name.lower() != direction:
+            raise ValueError(
+                f"{self.folder / STUDY}: this study was {self.study.direction.name.lower()}d; merge.search now "
+                f"{direction}s ({self.metric}): move the folder away to start another search"
+            )
 
     def given(self) -> dict[str, float]:
         """Trial 0: the merge as configured (weights normalised; the method's own parameter values)."""
@@ -105,9 +127,20 @@ class Search:
         shutil.rmtree(out, ignore_errors=True)
         merge_checkpoints(self.spec(point, out), progress=False)
         try:
+            if self.dev is None:
+                return dev_score(self.cfg, self.run_dir, out, f"search-{self.entry.name}-trial-{trial.number}")
             return dev_loss(self.cfg, out, self.dev, f"trial {trial.number}")
         finally:
             shutil.rmtree(out, ignore_errors=True)
+
+    def dev_size(self) -> str:
+        """The dev split in words: how many examples of what."""
+        search = self.cfg.merge.search
+        if self.dev is None:
+            return f"{', '.join(search.tasks)}, " + (
+                f"{search.limit} examples each" if search.limit else "all examples"
+            )
+        return f"{len(self.dev)} held-out examples of {len(self.dev.examples)} trained sources"
 
     def run(self) -> dict[str, Any]:
         import optuna
@@ -138,11 +171,13 @@ class Search:
             "merge": self.entry.name,
             "method": self.entry.method,
             "sampler": self.cfg.merge.search.sampler,
-            "dev": {src: len(items) for src, items in self.dev.examples.items()},
-            "given": {"trial": given.number, "dev_loss": given.value, "weights": self.weights(given.params)},
+            "metric": self.metric,
+            "lower_is_better": self.dev is not None,
+            "dev": self.dev_size(),
+            "given": {"trial": given.number, "value": given.value, "weights": self.weights(given.params)},
             "best": {
                 "trial": best.number,
-                "dev_loss": best.value,
+                "value": best.value,
                 "weights": self.weights(best.params),
                 "params": self.params(best.params),
                 "checkpoint": str(best_dir),
@@ -150,7 +185,7 @@ class Search:
             "trials": [
                 {
                     "trial": t.number,
-                    "dev_loss": t.value,
+                    "value": t.value,
                     "weights": self.weights(t.params),
                     "params": self.params(t.params),
                 }
@@ -174,13 +209,14 @@ def plot_search(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     trials = result["trials"]
-    numbers, losses = [t["trial"] for t in trials], [t["dev_loss"] for t in trials]
-    running = [min(losses[: i + 1]) for i in range(len(losses))]
+    numbers, values = [t["trial"] for t in trials], [t["value"] for t in trials]
+    best = min if result["lower_is_better"] else max
+    running = [best(values[: i + 1]) for i in range(len(values))]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.plot(numbers, losses, "o", color="tab:blue", label="trial")
+    left.plot(numbers, values, "o", color="tab:blue", label="trial")
     left.plot(numbers, running, "-", color="tab:green", label="best so far")
-    left.axhline(result["given"]["dev_loss"], color="tab:red", linestyle="--", label="given weights")
-    left.set(xlabel="trial", ylabel="dev loss (held-out, trained sources)", title=f"search of {result['merge']}")
+    left.axhline(result["given"]["value"], color="tab:red", linestyle="--", label="given weights")
+    left.set(xlabel="trial", ylabel=f"dev: {result['metric']}", title=f"search of {result['merge']}")
     left.legend()
     k = range(len(result["best"]["weights"]))
     right.bar([i - 0.2 for i in k], result["given"]["weights"], width=0.4, color="tab:red", label="given")

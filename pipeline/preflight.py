@@ -116,6 +116,12 @@ def _merges(cfg: RunConfig, run_dir: str | Path) -> str:
     search = cfg.merge.search
     if not search.enabled:
         return checked
+    if search.tasks:
+        from pipeline.eval.benchmarks import check_benchmarks, leaves, search_config
+
+        if shared := sorted(leaves(cfg, search.tasks) & leaves(cfg, cfg.eval.benchmarks)):
+            raise ValueError(f"merge.search.tasks and eval.benchmarks share the tasks {shared}")
+        return f"{checked}; the search of {search.merge} on {check_benchmarks(search_config(cfg))}"
     fractions = [
         cfg.data.heldout_fraction if s.heldout_fraction is None else s.heldout_fraction for s in cfg.data.sources
     ]

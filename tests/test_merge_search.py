@@ -23,7 +23,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.data import active_sources, read_manifest
 from pipeline.eval import evaluate_model
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, branch_dir, run_config, run_models, search_dir, tuned_dir
-from pipeline.merge_search import STUDY
+from pipeline.merge_search import STUDY, Search
 from pipeline.merging import merge_run
 from pipeline.models import load_model, load_processor
 
@@ -65,14 +65,15 @@ def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branc
     run = branches
     settings = ["merge.search.trials=4", "merge.search.max_examples_per_source=2"]
     assert merit(search_args(run, *settings)) == 0
-    assert "dev loss" in capsys.readouterr().out
+    assert "dev: held-out loss" in capsys.readouterr().out
     folder = search_dir(run, "token_average")
     result = json.loads((folder / SEARCH_RESULT).read_text())
     groups = json.loads((run / "calibration" / "split.json").read_text())["groups"]
     tokens = [sum(active_sources(read_manifest(run))[s]["train_tokens"] for s in group) for group in groups]
     assert result["given"]["trial"] == 0 and len(result["trials"]) == 4
     assert result["given"]["weights"] == pytest.approx([t / sum(tokens) for t in tokens])  # MERIT's n_k
-    assert result["best"]["dev_loss"] == min(t["dev_loss"] for t in result["trials"]) <= result["given"]["dev_loss"]
+    assert result["metric"] == "held-out loss" and result["lower_is_better"]
+    assert result["best"]["value"] == min(t["value"] for t in result["trials"]) <= result["given"]["value"]
     assert (folder / SEARCH_PLOT).stat().st_size > 0 and not (folder / "trial").exists()
     # The chosen merge is the weighted average of the branches with the chosen weights.
     verify_checkpoint(folder / "best")
@@ -183,3 +184,33 @@ def test_preflight_refuses_a_search_without_held_out_examples(tmp_path):
     cfg = load_config(None, ["merge.search.enabled=true", "data.heldout_fraction=0"])
     with pytest.raises(PreflightError, match="merges: merge.search scores its trials on the trained sources' held-out"):
         check_run(cfg, tmp_path)
+
+
+def test_lmms_eval_dev_tasks_apart_from_the_benchmarks(branches):
+    """Trials scored by lmms-eval on a dev task (its mean score, maximised), never a benchmark of the
+    report: the config refuses a shared task, merit check a shared subtask of a group."""
+    run = branches
+    settings = ["eval.benchmarks=[toy_perception]", "merge.methods=[{name: avg3, method: weighted_average}]"]
+    settings += ["merge.search.merge=avg3", "merge.search.params={}", "merge.search.tasks=[toy_reading]"]
+    settings += ["merge.search.limit=4", "merge.search.trials=2"]
+    assert merit(search_args(run, *settings)) == 0
+    result = json.loads((search_dir(run, "avg3") / SEARCH_RESULT).read_text())
+    assert result["metric"] == "mean score of toy_reading" and not result["lower_is_better"]
+    assert result["dev"] == "toy_reading, 4 examples each"
+    assert result["best"]["value"] == max(t["value"] for t in result["trials"]) >= result["given"]["value"]
+    score = json.loads((run / "eval" / "benchmarks" / "search-avg3-trial-0" / "toy_reading" / "score.json").read_text())
+    assert score["identity"]["limit"] == 4 and score["score"]["score"] == result["given"]["value"]
+    held_out_study = [
+        "merge.methods=[{name: token_average, method: weighted_average}]",
+        "merge.search.merge=token_average",
+    ]
+    cfg, _ = run_config(None, [*settings[:2], *held_out_study, "merge.search.tasks=[toy_reading]"], run)
+    with pytest.raises(ValueError, match="was minimized; merge.search now maximizes"):
+        Search(cfg, run)
+    with pytest.raises(ConfigError, match=r"merge.search.tasks \['toy_perception'\] are also eval.benchmarks"):
+        load_config(None, ["merge.search.tasks=[toy_perception]", "eval.benchmarks=[toy_perception]"])
+    from pipeline.preflight import PreflightError, check_run
+
+    group = ["eval.benchmarks=[toy_reasoning]", "merge.search.tasks=[toy_reasoning_steps]", "merge.search.enabled=true"]
+    with pytest.raises(PreflightError, match=r"share the tasks \['toy_reasoning_steps'\]"):
+        check_run(load_config(None, group), run)

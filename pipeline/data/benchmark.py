@@ -218,11 +218,12 @@ task:
 
 
 def toy_tasks(cfg: RunConfig) -> list[str]:
-    return [task for task in cfg.eval.benchmarks if is_toy_task(task)]
+    """The toy tasks of the run: its benchmarks' and merge.search's dev tasks."""
+    return [task for task in dict.fromkeys([*cfg.eval.benchmarks, *cfg.merge.search.tasks]) if is_toy_task(task)]
 
 
 def write_tasks(cfg: RunConfig, run_dir: str | Path) -> Path | None:
-    """The toy tasks that ``eval.benchmarks`` names, as lmms-eval task files under
+    """The toy tasks that ``eval.benchmarks`` and ``merge.search.tasks`` name, as lmms-eval task files under
     ``run_dir/data/benchmarks/``: a YAML file and a JSON-lines file (images inline as base64
     PNG) per task, a YAML file per group, the ``utils.py`` their hooks come from and each task's
     constant baseline (:data:`CONSTANTS`). Kept while up to date."""

@@ -37,7 +37,7 @@ from typing import Any
 from pipeline import prestart
 from pipeline.checkpoint import checkpoint_id, sha256_file, staged_dir, write_json_atomic
 from pipeline.config import RunConfig
-from pipeline.data.benchmark import CONSTANT_MODEL, CONSTANTS, TASKS_DIR, is_toy_task, toy_tasks
+from pipeline.data.benchmark import CONSTANT_MODEL, CONSTANTS, TASKS_DIR, is_toy_task, leaf_tasks, toy_tasks
 from pipeline.eval.judge import check_judge, failed_judgements, judge_environment, judge_style
 from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_and_problems, score
 from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
@@ -71,6 +71,21 @@ def checkpoint_family(checkpoint: str, adapter: bool) -> Family:
 def benchmark_tasks(cfg: RunConfig) -> list[str]:
     """What the stage runs: ``eval.benchmarks``, but the judged toy task when no judge is set."""
     return [t for t in cfg.eval.benchmarks if t != JUDGED_TOY or cfg.eval.judge is not None]
+
+
+def search_config(cfg: RunConfig) -> RunConfig:
+    """The run's config with merge.search's dev tasks (and limit) as its benchmarks: what a trial runs."""
+    search = cfg.merge.search
+    dev = cfg.eval.model_copy(update={"benchmarks": search.tasks, "benchmark_limit": search.limit})
+    return cfg.model_copy(update={"eval": dev})
+
+
+def leaves(cfg: RunConfig, tasks: list[str]) -> set[str]:
+    """The tasks lmms-eval runs for ``tasks``, a group's expanded (a task it does not know: itself)."""
+    toys, real = [t for t in tasks if is_toy_task(t)], [t for t in tasks if not is_toy_task(t)]
+    folders = [str(Path(p).absolute()) for p in cfg.eval.include_path]
+    plans = plans_and_problems(real, folders, cfg.eval.benchmark_metrics)[0] if real else {}
+    return set(leaf_tasks(toys)) | {t for name in real for t in (plans[name].tasks if name in plans else [name])}
 
 
 def model_tasks(cfg: RunConfig, model: str) -> list[str]:

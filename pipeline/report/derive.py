@@ -104,11 +104,8 @@ def derive(records: RunRecords) -> Derived:
     if diloco:
         report["diloco"] = {k: diloco[k] for k in ("rows", "notes")}
     if search := records.search:
-        report["search"] = {k: search[k] for k in ("merge", "method", "sampler", "given", "best")}
-        report["search"]["trials"], report["search"]["dev_examples"] = (
-            len(search["trials"]),
-            sum(search["dev"].values()),
-        )
+        report["search"] = {k: search[k] for k in ("merge", "method", "sampler", "metric", "dev", "given", "best")}
+        report["search"]["trials"] = len(search["trials"])
 
     figures = Figures(
         benchmarks=benchmark_bars(benchmarks["rows"]) if benchmarks else None,

@@ -163,11 +163,11 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         section(
             "Merge weight search",
             f"`merit tune-merge` searched the branch weights of merge `{search['merge']}` ({search['method']}) "
-            f"with {search['sampler']} over {search['trials']} trials, each scored by its held-out loss on "
-            f"{search['dev_examples']} held-out examples of the trained sources (not the benchmarks). "
-            f"Given weights ({', '.join(f'{w:.3f}' for w in given['weights'])}): dev loss {given['dev_loss']:.4f}; "
-            f"chosen, trial {best['trial']} ({chosen}{'; ' + params if params else ''}): dev loss "
-            f"{best['dev_loss']:.4f}. The chosen merge is scored above as the merge with its weights searched; "
+            f"with {search['sampler']} over {search['trials']} trials, each scored on a dev split "
+            f"apart from the benchmarks: {search['metric']} ({search['dev']}). "
+            f"Given weights ({', '.join(f'{w:.3f}' for w in given['weights'])}): {given['value']:.4f}; "
+            f"chosen, trial {best['trial']} ({chosen}{'; ' + params if params else ''}): "
+            f"{best['value']:.4f}. The chosen merge is scored above as the merge with its weights searched; "
             "its held-out figures are not independent of the search (its benchmark scores are); the search's "
             "plot is among the other plots.",
         )
