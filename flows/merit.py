@@ -11,6 +11,7 @@ Every stage is idempotent, so re-running a flow on the same run directory resume
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import prefect.runtime.flow_run
 import torch
@@ -153,8 +154,19 @@ def merit(
         for entry in cfg.merge.methods:
             tasks.merge(where, entry.name)
     if cfg.merge.search.enabled:  # on MERIT's split: the controls keep their configured weights
-        tasks.tune_merge(run_dir, cfg.merge.search.merge)
+        tune_merge(cfg, run_dir)
     return evaluate_and_report(cfg, run_dir)
+
+
+def tune_merge(cfg: RunConfig, run_dir: str) -> dict[str, Any]:
+    """merge.search: its trials shared out among ``parallel`` workers, a task each, on one study."""
+    merge, workers = cfg.merge.search.merge, cfg.merge.search.parallel
+    left = tasks.search_start(run_dir, merge)
+    shares = [left // workers + (w < left % workers) for w in range(workers)]
+    futures = [tasks.search_trials.submit(run_dir, merge, n, w) for w, n in enumerate(shares) if n]
+    for future in futures:
+        future.result()  # a worker's error (a dev task without a score) fails the flow, named
+    return tasks.search_finish(run_dir, merge)
 
 
 @flow(name="merit-branch", log_prints=True)

@@ -176,12 +176,28 @@ def merge(run_dir: str, name: str) -> dict[str, Any]:
     return merge_run(run_config(run_dir), run_dir, name)
 
 
-@task(name="tune-merge", task_run_name="tune-merge-{merge}")
-def tune_merge(run_dir: str, merge: str) -> dict[str, Any]:
-    """merge.search: the chosen weights of one merge (``merge`` names the task run)."""
-    from pipeline.merge_search import tune_merge as search
+@task(name="search-start", task_run_name="search-start-{merge}")
+def search_start(run_dir: str, merge: str) -> int:
+    """merge.search, before its workers: the trials left (``merge`` names the task run)."""
+    from pipeline.merge_search import Search
 
-    result = search(run_config(run_dir), run_dir)
+    return Search(run_config(run_dir), run_dir).start()
+
+
+@task(name="search-trials", task_run_name="search-{merge}-worker-{worker}")
+def search_trials(run_dir: str, merge: str, trials: int, worker: int) -> None:
+    """``trials`` trials of merge.search on worker ``worker``'s device, beside the other workers."""
+    from pipeline.merge_search import Search
+
+    Search(run_config(run_dir), run_dir, worker).optimize(trials)
+
+
+@task(name="search-finish", task_run_name="search-finish-{merge}")
+def search_finish(run_dir: str, merge: str) -> dict[str, Any]:
+    """The chosen merge written, search.json and its plot; returns the given and chosen weights."""
+    from pipeline.merge_search import Search
+
+    result = Search(run_config(run_dir), run_dir).finish()
     return {k: result[k] for k in ("merge", "given", "best")}
 
 

@@ -327,6 +327,7 @@ class MergeSearch(Section):
     merge: str = "token_average"  # the merge.methods entry searched; its own weights are trial 0
     trials: int = Field(20, ge=1)
     sampler: Literal["tpe", "cmaes"] = "tpe"
+    parallel: int = Field(1, ge=1)  # the merit flow's trials at once, each worker on a GPU of its own if any
     params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
     max_examples_per_source: int = Field(32, ge=1)  # the dev split: the first held-out examples of each
     # Or lmms-eval tasks as the dev split (their mean score, maximised), never eval.benchmarks':

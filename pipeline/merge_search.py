@@ -10,7 +10,9 @@ the command, naming it: it never turns into a score. Trial 0 is the merge as the
 for ``weighting: tokens``), so the chosen merge is never worse on the dev split than n_k. The
 study is an SQLite file in ``search/<merge>/``: a search killed mid-trial resumes where it
 stopped (the interrupted trial is marked failed and another run in its place), and a finished one
-is not rerun. One command runs a search at a time: trials run one after the other.
+is not rerun. ``merge.search.parallel`` workers run trials at once on one study (the merit
+flow's tasks; each worker its own GPU when there are, its own sampler seed); one search runs at
+a time.
 
 Cost per trial: one merge (θ0 and the K branches read once, one checkpoint written), one load of
 the merged model, a forward pass over the dev examples. At 7B with K = 8 full branches that is
@@ -21,12 +23,15 @@ against the branches' GPU-days.
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.checkpoint import read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
-from pipeline.eval.benchmarks import JobFailed, run_benchmark, search_config
+from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_config
 from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
@@ -34,6 +39,7 @@ from pipeline.merging import branch_finals, entry_spec, find_entry, group_tokens
 from pipeline.models import load_model, load_processor
 
 STUDY = "study.db"
+TRIAL = "trial-"  # trial-<number>/: a trial's merge while it is scored
 
 
 def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
@@ -43,17 +49,30 @@ def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
     return Heldout({src: items[:limit] for src, items in heldout.examples.items()}, heldout.roles)
 
 
-def dev_loss(cfg: RunConfig, checkpoint: Path, dev: Heldout, name: str) -> float:
-    model = load_model(checkpoint, cfg.model).to(eval_device(cfg)).eval()
+def worker_device(cfg: RunConfig, worker: int) -> str:
+    """Where worker ``worker`` scores its trials: a GPU of its own when there are, else the CPU."""
+    gpus = torch.cuda.device_count()
+    return f"cuda:{worker % gpus}" if gpus and cfg.eval.device is None else eval_device(cfg)
+
+
+# transformers builds a model on the meta device under a context that patches torch globally: two
+# threads loading at once see each other's meta tensors. Workers load one at a time, score together.
+_loading = threading.Lock()
+
+
+def dev_loss(cfg: RunConfig, checkpoint: Path, dev: Heldout, name: str, device: str) -> float:
+    with _loading:
+        model = load_model(checkpoint, cfg.model).to(device).eval()
     sources = score_model(cfg, model, load_processor(checkpoint, cfg.model), dev, name, accuracy=False)
     return summarise(sources)["loss"]
 
 
-def dev_score(cfg: RunConfig, run_dir: Path, checkpoint: Path, name: str) -> float:
+def dev_score(cfg: RunConfig, run_dir: Path, checkpoint: Path, name: str, device: str) -> float:
     """The mean score of the dev tasks (lmms-eval jobs in ``eval/benchmarks/<name>/``)."""
     dev, scores = search_config(cfg), []
+    slot = Slot(1, (int(device.split(":")[1]),)) if device.startswith("cuda") else Slot()
     for task in cfg.merge.search.tasks:
-        record = run_benchmark(dev, run_dir, name, str(checkpoint), task)
+        record = run_benchmark(dev, run_dir, name, str(checkpoint), task, slot)
         if "score" not in record:
             raise JobFailed(f"{name}: dev task {task} got no score: {record.get('error')}")
         scores.append(record["score"]["score"])
@@ -63,10 +82,10 @@ def dev_score(cfg: RunConfig, run_dir: Path, checkpoint: Path, name: str) -> flo
 class Search:
     """The study of one merge entry over the run's branches."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path):
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, worker: int = 0):
         import optuna
 
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.cfg, self.run_dir, self.worker = cfg, Path(run_dir), worker
         self.entry: MergeEntry = find_entry(cfg, cfg.merge.search.merge)
         self.finals = branch_finals(run_dir)
         self.tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in self.finals])
@@ -76,10 +95,11 @@ class Search:
         self.dev = None if search.tasks else dev_split(cfg, run_dir)
         self.metric = f"mean score of {', '.join(search.tasks)}" if search.tasks else "held-out loss"
         self.storage = storage = optuna.storages.RDBStorage(f"sqlite:///{self.folder / STUDY}")
+        seed = cfg.run.seed + worker  # workers of one study must not propose the same points
         sampler = (
-            optuna.samplers.CmaEsSampler(seed=cfg.run.seed)
+            optuna.samplers.CmaEsSampler(seed=seed)
             if search.sampler == "cmaes"
-            else optuna.samplers.TPESampler(seed=cfg.run.seed)
+            else optuna.samplers.TPESampler(seed=seed)
         )
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         direction = "maximize" if search.tasks else "minimize"
@@ -123,13 +143,12 @@ class Search:
         point = {f"w{k}": trial.suggest_float(f"w{k}", 0.0, 1.0) for k in range(len(self.finals))}
         for name, (low, high) in self.cfg.merge.search.params.items():
             point[name] = trial.suggest_float(name, low, high)
-        out = self.folder / "trial"
-        shutil.rmtree(out, ignore_errors=True)
+        out, device = self.folder / f"{TRIAL}{trial.number}", worker_device(self.cfg, self.worker)
         merge_checkpoints(self.spec(point, out), progress=False)
         try:
             if self.dev is None:
-                return dev_score(self.cfg, self.run_dir, out, f"search-{self.entry.name}-trial-{trial.number}")
-            return dev_loss(self.cfg, out, self.dev, f"trial {trial.number}")
+                return dev_score(self.cfg, self.run_dir, out, f"search-{self.entry.name}-trial-{trial.number}", device)
+            return dev_loss(self.cfg, out, self.dev, f"trial {trial.number}", device)
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
@@ -142,21 +161,33 @@ class Search:
             )
         return f"{len(self.dev)} held-out examples of {len(self.dev.examples)} trained sources"
 
-    def run(self) -> dict[str, Any]:
+    def start(self) -> int:
+        """Before any worker: the given weights' trial, then the number of trials left to run. A
+        trial still marked running was killed with the search (a frozen trial names its storage row
+        only by ``_trial_id``, as optuna's own clean-up does), and so was its checkpoint. The given
+        trial runs here, alone: workers that found it waiting would both take it."""
         import optuna
 
-        # One command runs a search at a time: a trial still marked running was killed with it
-        # (a frozen trial names its storage row only by ``_trial_id``, as optuna's own clean-up does).
         for trial in self.study.trials:
             if trial.state == optuna.trial.TrialState.RUNNING:
                 self.storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        for left in self.folder.glob(f"{TRIAL}*"):
+            shutil.rmtree(left)
         done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         waiting = [t for t in self.study.trials if t.state == optuna.trial.TrialState.WAITING]
-        if not any(t.user_attrs.get("given") for t in done + waiting):  # first, or killed before it finished
+        if not any(t.user_attrs.get("given") for t in done + waiting):
             self.study.enqueue_trial(self.given(), user_attrs={"given": True})
-        remaining = self.cfg.merge.search.trials - len(done)
-        if remaining > 0:
-            self.study.optimize(self.objective, n_trials=remaining, show_progress_bar=True)
+        if not any(t.user_attrs.get("given") for t in done):
+            self.optimize(1)
+            done += [self.study.trials[-1]]
+        return max(0, self.cfg.merge.search.trials - len(done))
+
+    def optimize(self, trials: int) -> None:
+        self.study.optimize(self.objective, n_trials=trials, show_progress_bar=self.worker == 0)
+
+    def run(self) -> dict[str, Any]:
+        """The whole search in this process, one trial after the other."""
+        self.optimize(self.start())
         return self.finish()
 
     def finish(self) -> dict[str, Any]:

@@ -22,7 +22,16 @@ from pipeline.checkpoint import save_pretrained_checkpoint, verify_checkpoint
 from pipeline.config import ConfigError, load_config
 from pipeline.data import active_sources, read_manifest
 from pipeline.eval import evaluate_model
-from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, branch_dir, run_config, run_models, search_dir, tuned_dir
+from pipeline.layout import (
+    SEARCH_PLOT,
+    SEARCH_RESULT,
+    branch_dir,
+    run_config,
+    run_models,
+    search_dir,
+    start_run,
+    tuned_dir,
+)
 from pipeline.merge_search import STUDY, Search
 from pipeline.merging import merge_run
 from pipeline.models import load_model, load_processor
@@ -74,7 +83,7 @@ def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branc
     assert result["given"]["weights"] == pytest.approx([t / sum(tokens) for t in tokens])  # MERIT's n_k
     assert result["metric"] == "held-out loss" and result["lower_is_better"]
     assert result["best"]["value"] == min(t["value"] for t in result["trials"]) <= result["given"]["value"]
-    assert (folder / SEARCH_PLOT).stat().st_size > 0 and not (folder / "trial").exists()
+    assert (folder / SEARCH_PLOT).stat().st_size > 0 and not list(folder.glob("trial-*"))
     # The chosen merge is the weighted average of the branches with the chosen weights.
     verify_checkpoint(folder / "best")
     w = result["best"]["weights"]
@@ -136,7 +145,7 @@ def test_a_search_killed_mid_trial_resumes_and_fails_that_trial(branches, tmp_pa
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not (folder / STUDY).is_file() or not completed(folder) or not (folder / "trial").exists():
+        while not (folder / STUDY).is_file() or not completed(folder) or not list(folder.glob("trial-*")):
             assert proc.poll() is None and time.monotonic() < deadline, "the search ended before a second trial"
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -146,7 +155,7 @@ def test_a_search_killed_mid_trial_resumes_and_fails_that_trial(branches, tmp_pa
     study = optuna.load_study(study_name="avg2", storage=f"sqlite:///{folder / STUDY}")
     states = [t.state.name for t in study.trials]
     assert states.count("COMPLETE") == 3 and states.count("FAIL") == 1 and "RUNNING" not in states
-    assert not (folder / "trial").exists() and verify_checkpoint(folder / "best")
+    assert not list(folder.glob("trial-*")) and verify_checkpoint(folder / "best")
 
 
 def completed(folder) -> int:
@@ -214,3 +223,28 @@ def test_lmms_eval_dev_tasks_apart_from_the_benchmarks(branches):
     group = ["eval.benchmarks=[toy_reasoning]", "merge.search.tasks=[toy_reasoning_steps]", "merge.search.enabled=true"]
     with pytest.raises(PreflightError, match=r"share the tasks \['toy_reasoning_steps'\]"):
         check_run(load_config(None, group), run)
+
+
+def test_the_flow_shares_the_trials_out_among_parallel_workers(branches, prefect_api):
+    """merge.search.parallel: Prefect tasks on one study, each worker with its own sampler seed;
+    together they run exactly the trials asked, the given weights among them."""
+    from prefect import flow
+
+    from flows.merit import tune_merge
+
+    run = branches
+    settings = ["merge.methods=[{name: par, method: weighted_average}]", "merge.search.merge=par"]
+    settings += ["merge.search.params={}", "merge.search.tasks=[]", "eval.benchmarks=[]", "merge.search.parallel=2"]
+    settings += ["merge.search.trials=5", "merge.search.max_examples_per_source=2"]
+    cfg, _ = start_run(None, settings, run)  # saved: the tasks read the run's config
+
+    @flow
+    def search() -> dict:
+        return tune_merge(cfg, str(run))
+
+    result = search()
+    study = optuna.load_study(study_name="par", storage=f"sqlite:///{search_dir(run, 'par') / STUDY}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 5
+    assert sum(bool(t.user_attrs.get("given")) for t in study.trials) == 1
+    assert result["best"]["value"] <= result["given"]["value"]
+    assert not list(search_dir(run, "par").glob("trial-*")) and verify_checkpoint(tuned_dir(run, "par"))
