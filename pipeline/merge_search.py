@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint import read_manifest, write_json_atomic
+from pipeline.checkpoint import is_complete, read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_config
 from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
@@ -197,7 +197,10 @@ class Search:
         trials = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         given, best = next(t for t in trials if t.user_attrs.get("given")), self.study.best_trial
         best_dir = tuned_dir(self.run_dir, self.entry.name)
-        merge_checkpoints(self.spec(best.params, best_dir), progress=False, trial=best.number)
+        spec = self.spec(best.params, best_dir)
+        kept = is_complete(best_dir) and read_manifest(best_dir).get("spec") == spec.model_dump(mode="json")
+        if not kept:  # else a finished search run again: its chosen merge is already there
+            merge_checkpoints(spec, progress=False, trial=best.number)
         result = {
             "merge": self.entry.name,
             "method": self.entry.method,

@@ -44,9 +44,13 @@ OVERRIDES = [
     "eval.max_examples_per_source=3",  # held-out evaluation at test size: 18 models
     "eval.max_new_tokens=8",
     "eval.barrier_points=1",
+    "merge.search.enabled=true",  # the token average's weights searched: its chosen merge is a model too
+    "merge.search.trials=2",
+    "merge.search.max_examples_per_source=2",
 ]
 NO_BENCHMARKS = "eval.benchmarks=[]"  # for flows whose evaluation another test checks
 MERGES = ["token_average", "iso_c"]
+TUNED = "merged-token_average-tuned"
 PARTS = ["toy_reasoning_direct", "toy_reasoning_steps"]  # the toy_reasoning group's
 
 
@@ -128,7 +132,7 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
     AutoModelForImageTextToText.from_pretrained(run_dir / "merged" / "iso_c")
 
     report = json.loads((run_dir / "report" / "report.json").read_text())
-    expected = {"theta0", "branch-0", "branch-1", "joint", *(f"merged-{m}" for m in MERGES)}
+    expected = {"theta0", "branch-0", "branch-1", "joint", *(f"merged-{m}" for m in MERGES), TUNED}
     assert {m["name"] for m in report["models"]} == expected
     for model in report["models"]:
         evaluated = json.loads((run_dir / "eval" / f"{model['name']}.json").read_text())
@@ -169,7 +173,7 @@ def test_a_judge_down_costs_only_its_task_named_in_the_report_and_the_flow_fails
         and "toy_chat: 8 of 8 judgements by test-judge" in state.message
     )
     rows = {(r["model"], r["split"]): r for r in report["benchmarks"]["rows"]}
-    assert len(rows) == 7  # the constant answer, θ0, joint, 2 merges × 2 splits: every model but the branches
+    assert len(rows) == 8  # the constant answer, θ0, joint, 2 merges × 2 splits, the searched merge: no branch
     assert all("toy_chat" not in row and row["average"] is None for row in rows.values())
     assert all(row["toy_perception"] is not None and "toy_reasoning" in row for row in rows.values())
     notes = "\n".join(report["benchmarks"]["notes"])
@@ -186,7 +190,10 @@ def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(fi
     report = json.loads((run_dir / "report" / "report.json").read_text())
     rows = {(r["model"], r["split"]): r for r in report["benchmarks"]["rows"]}
     merges = [(f"merged-{m}", split) for m in MERGES for split in ("MERIT-2", "Random-2")]
-    assert set(rows) == {("constant", "—"), ("theta0", "—"), ("joint", "—"), *merges}
+    assert set(rows) == {("constant", "—"), ("theta0", "—"), ("joint", "—"), *merges, (TUNED, "MERIT-2")}
+    assert rows[(TUNED, "MERIT-2")]["label"] == "token_average: weighted_average, weights searched"
+    search = report["search"]  # the n_k weights are trial 0; the chosen ones at least as good on the dev split
+    assert search["given"]["trial"] == 0 and search["best"]["value"] <= search["given"]["value"]
     assert report["benchmarks"]["rows"][0]["label"] == "constant answer"
     for (model, split), row in rows.items():
         folder = (run_dir / "controls" / "random" if split == "Random-2" else run_dir) / "eval" / "benchmarks" / model
@@ -201,7 +208,7 @@ def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(fi
         assert row["average"] == pytest.approx((row["toy_perception"] + row["toy_reasoning"] + row["toy_chat"]) / 3)
         if model not in ("joint", "constant"):
             assert row["vs_joint"] == pytest.approx(row["average"] - rows[("joint", "—")]["average"])
-        if split == "MERIT-2":
+        if split == "MERIT-2" and model != TUNED:  # the controls keep their configured weights
             assert row["vs_control"] == pytest.approx(row["average"] - rows[(model, "Random-2")]["average"])
     markdown = (run_dir / "report" / "report.md").read_text()
     assert markdown.split("\n## ")[1].startswith("Benchmarks")  # the first section
