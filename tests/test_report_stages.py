@@ -16,6 +16,7 @@ from pipeline.merge.spec import ModelEntry
 from pipeline.report.branches import column_weights, merge_weights
 from pipeline.report.collect import Calibration, Control, Evaluation, Merge, RunRecords, Training, collect
 from pipeline.report.derive import Bars, Derived, Figures, derive
+from pipeline.report.render import markdown as render_markdown
 from pipeline.report.render import render
 
 MERGES = "merge.methods=[{name: avg, method: weighted_average}, {name: eq, method: iso_c, weighting: equal}]"
@@ -124,6 +125,7 @@ def records(**changes) -> RunRecords:
         "benchmarks": {},
         "controls": [],
         "diloco": [],
+        "search": {},
     }
     return RunRecords(**(fields | changes))
 
@@ -241,3 +243,23 @@ def test_render_writes_the_markdown_and_json_of_derived_figures(tmp_path: Path):
     )
     assert "| branch-1 | 0.7500 |" in md and "- [x.png](../x.png)" in md and "## Models" not in md
     assert not list(out.glob(".*"))  # no temporary files left
+
+
+def test_derive_reports_the_merge_weight_search_and_links_its_plot():
+    search = {
+        "merge": "avg",
+        "method": "weighted_average",
+        "sampler": "tpe",
+        "metric": "held-out loss",
+        "dev": "6 held-out examples of 2 trained sources",
+        "given": {"trial": 0, "value": 2.5, "weights": [0.4, 0.6]},
+        "best": {"trial": 3, "value": 2.25, "weights": [0.7, 0.3], "params": {}, "checkpoint": "search/avg/best"},
+        "trials": [{"trial": n, "value": 2.5 - n / 12, "weights": [0.5, 0.5], "params": {}} for n in range(4)],
+    }
+    derived = derive(records(search=search))
+    assert derived.report["search"]["trials"] == 4 and derived.report["search"]["best"]["value"] == 2.25
+    assert "../search/avg/search.png" in derived.report["plots"]
+    markdown = render_markdown(derived.report, derived.figures.own(), derived.figures.others)
+    assert "## Merge weight search" in markdown
+    assert "Given weights (0.400, 0.600): 2.5000; chosen, trial 3 (0.700, 0.300): 2.2500" in markdown
+    assert "search" not in derive(records()).report

@@ -115,7 +115,7 @@ class RunRecords:
     benchmarks: dict[str, dict[str, Any]]  # model name -> its current benchmark scores (read_scores)
     controls: list[Control]
     diloco: list[dict[str, Any]]  # diloco_runs
-    search: dict[str, Any]  # merit tune-merge's search.json of merge.search's merge ({}: none)
+    search: dict[str, Any] = field(default_factory=dict)  # merit tune-merge's search.json ({}: none)
 
 
 def collect(run_dir: str | Path) -> RunRecords:
