@@ -476,6 +476,9 @@ def test_methods_refuse_the_wrong_number_of_inputs_up_front(tmp_path):
     ]:
         with pytest.raises(ValueError, match=f"'{method}' merges {message} inputs, got {count}"):
             MergeSpec(base_model=str(tmp_path), models=models[:count], method=method, out_path=str(tmp_path / "o"))
+    _, three, weights = case(3, (4, 3))
+    with pytest.raises(ValueError, match="'slerp' merges exactly 2 inputs, got 3"):  # in memory: DiLoCo's rounds
+        merge_state_dicts([{"t": m} for m in three], weights, [Rule(pattern="*", method="slerp")])
 
 
 def test_multislerp_refuses_balanced_antipodal_inputs():

@@ -39,7 +39,7 @@ from pipeline.merge.io import (
     copy_aux_files,
     stream_checkpoint,
 )
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext
+from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, get_method
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
 from pipeline.models.families import stacked_experts
@@ -133,6 +133,8 @@ def merge_state_dicts(
     with_base = base is not None
     dicts, dict_labels = [*models, *([base] if with_base else [])], [*labels, *(["base"] if with_base else [])]
     _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
+    for rule in rules:  # a merge spec checks this when it is read; in memory (DiLoCo), here
+        get_method(rule.method).check_inputs(len(models))
     workspace, out = Workspace(), {}
     for name, first in models[0].items():
         method, params = choose(name, rules)

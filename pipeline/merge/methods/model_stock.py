@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.io import MergeInputError
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 from pipeline.merge.span import combine, gram
 
@@ -37,8 +36,6 @@ def ratio(g: torch.Tensor) -> torch.Tensor:
 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    if inputs.k < 2:
-        raise MergeInputError(f"tensor {inputs.name}: model_stock needs at least 2 inputs, got {inputs.k}")
     vectors = "last" if params.filter_wise else "tensor"
     g = gram(inputs, vectors)
     return combine(inputs, ratio(g)[:, None] * weights.double().to(g.device)[None, :], vectors)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.methods.slerp import arc, two_inputs
+from pipeline.merge.methods.slerp import arc
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 from pipeline.merge.span import combine, gram
 
@@ -25,7 +25,6 @@ class Params(MethodParams):
 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    two_inputs(inputs, "nuslerp")
     vectors = "tensor" if params.nuslerp_flatten else "first" if params.nuslerp_row_wise else "last"
     g = gram(inputs, vectors)
     norms = g.diagonal(dim1=1, dim2=2).sqrt().clamp_min(MIN_NORM)

@@ -13,7 +13,6 @@ import torch
 from pydantic import Field
 
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.io import MergeInputError
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 from pipeline.merge.span import combine, gram, raw_coefficients, raw_gram
 
@@ -34,13 +33,7 @@ def arc(t: float, cos: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, second], -1)
 
 
-def two_inputs(inputs: TensorInputs, method: str) -> None:
-    if inputs.k != 2:
-        raise MergeInputError(f"tensor {inputs.name}: {method} merges exactly 2 inputs, got {inputs.k}")
-
-
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
-    two_inputs(inputs, "slerp")
     t = float(weights[1]) if params.t is None else params.t
     with_base = inputs.base is not None
     g = raw_gram(gram(inputs, with_base=with_base), with_base)[0]
