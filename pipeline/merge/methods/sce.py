@@ -19,6 +19,7 @@ from pydantic import Field
 from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register
 from pipeline.merge.selection import kth_largest_abs
+from pipeline.merge.sparse import Sparsified
 
 MIN_WEIGHTS = 1e-6  # floor of the agreeing weights' sum, and of the mean squares' sum (mergekit's)
 
@@ -45,23 +46,20 @@ def selection(inputs: TensorInputs, share: float) -> torch.Tensor | None:
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: Params) -> torch.Tensor:
     selected = selection(inputs, params.select_topk)
+    # The selection applied as each block is read: once for a tensor that fits (its block is kept).
+    blocks = inputs.block if selected is None else Sparsified(inputs, lambda b, i: b.mul_(selected[inputs.span(i)]))
 
-    def chosen(taus: torch.Tensor, i: int) -> torch.Tensor:
-        return taus if selected is None else taus * selected[inputs.span(i)]
-
-    squares = sum(chosen(inputs.block(i), i).square().sum(1, dtype=torch.float64) for i in inputs.blocks)
-    squares = squares / inputs.numel
+    squares = sum(blocks(i).square().sum(1, dtype=torch.float64) for i in inputs.blocks) / inputs.numel
     total = float(squares.sum())
     c = squares / total if abs(total) >= MIN_WEIGHTS else torch.full_like(squares, 1 / inputs.k)
     c = c.float().view(-1, 1)
 
     def merged(taus: torch.Tensor, i: int) -> torch.Tensor:
-        taus = chosen(taus, i)
         agree = taus.sign() == taus.sum(0).sign()
         agree &= taus != 0
         return (taus * c * agree).sum(0) / (c * agree).sum(0).clamp_min(MIN_WEIGHTS)
 
-    return inputs.elementwise(merged)
+    return inputs.elementwise(merged, blocks)
 
 
 METHOD = register(MergeMethod("sce", Params, merge=merge))
