@@ -185,7 +185,11 @@ def undecided_start(examples, encoder, collator, pairs, steps=200):
     a short warm-up on the fine-tuning examples, where for the cued pairs each example's answer
     is, at random, its own or its partner's (the instruction does not yet decide the convention,
     as in a base model that can answer either way but does not follow instructions). For
-    contradictory pairs, which ask the same question, this is the plain joint mixture."""
+    contradictory pairs, which ask the same question, this is the plain joint mixture.
+
+    The learning rate decays to 0: at a constant rate the last batches leave θ off the mixture's
+    stationary point, and the component the two sources then share can cancel a pair's conflict
+    (one contradictory pair measured −0.04 so; annealed, every pair ≤ −0.65 at 4 batch seeds)."""
     partner = dict(pairs) | {b: a for a, b in pairs}
     rng = np.random.default_rng(0)
     warmup = [
@@ -198,10 +202,12 @@ def undecided_start(examples, encoder, collator, pairs, steps=200):
     pool = encoder.encode_batch(warmup)
     model, _ = build_tiny_model(small_config().model, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     model.train()
     for _ in range(steps):
         model(**collator([pool[i] for i in rng.choice(len(pool), 32, replace=False)])).loss.backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
     return model
 
