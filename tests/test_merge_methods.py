@@ -324,6 +324,17 @@ def test_in_memory_inputs_are_validated():
     for method in ("ties", "task_arithmetic"):
         with pytest.raises(ValueError, match="base: tensor t contains NaN"):
             merged(method, nan_base, models, weights, **({"scale": 0.5} if method == "task_arithmetic" else {}))
+    nan_model = models[1].clone()
+    nan_model[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="input 1: tensor t contains NaN or Inf"):
+        merged("weighted_average", base, [models[0], nan_model], weights)
+    huge = [torch.full((4, 3), 3e38), torch.full((4, 3), 3e38)]  # finite, their scaled sum is not
+    with pytest.raises(ValueError, match="tensor t: the merged values overflow float32"):
+        merged("task_arithmetic", torch.zeros(4, 3), huge, weights, scale=2.0)
+    with pytest.raises(ValueError, match=r"tensor t: a task vector \(θ_k − θ0\) overflows float32"):
+        merged("ties", torch.full((4, 3), -3e38), huge, weights)
+    with pytest.raises(ValueError, match="input 1: tensor t contains NaN or Inf"):
+        merged("ties", base, [models[0], nan_model], weights)
     steps = [{"t": m, "step": torch.tensor([7])} for m in models]
     out = merge_state_dicts(steps, weights, [Rule(pattern="*", method="iso_c")])
     assert out["step"].dtype == torch.int64 and out["step"].tolist() == [7]

@@ -25,7 +25,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pipeline.merge.chunks import chunks, workers
 from pipeline.merge.io import MergeInputError
+from pipeline.threads import map_chunks
 
 Reader = Callable[[int, int], torch.Tensor]  # rows [start, stop) of one input tensor, as stored
 
@@ -109,14 +111,14 @@ class TensorInputs:
         a, b = self.row_blocks[i]
         return slice(a * self.per_row, b * self.per_row)
 
-    def _read(self, reader: Reader, label: str, start: int, stop: int) -> torch.Tensor:
+    def _read(self, reader: Reader, label: str, start: int, stop: int, check: bool = True) -> torch.Tensor:
         tensor = reader(start, stop).to(self.device)  # moved in the stored dtype (bf16: half the bytes)
-        if tensor.is_floating_point() and not finite(tensor):
+        if check and tensor.is_floating_point() and not finite(tensor):
             raise MergeInputError(f"{label}: tensor {self.name} contains NaN or Inf")
         return tensor
 
-    def _whole(self, reader: Reader, label: str) -> torch.Tensor:
-        return self._read(reader, label, 0, rows_of(self.shape)[0]).reshape(self.shape)
+    def _whole(self, reader: Reader, label: str, check: bool = True) -> torch.Tensor:
+        return self._read(reader, label, 0, rows_of(self.shape)[0], check).reshape(self.shape)
 
     def base_tensor(self) -> torch.Tensor:
         return self._whole(self.base, self.base_label)
@@ -125,14 +127,21 @@ class TensorInputs:
         """Σ_k c_k x_k + c0 θ0 in fp32, one input at a time, x_k = θ0 + τ_k for a task-vector
         input; θ0 is read only when its coefficient is not 0."""
         base_coefficient += sum(c for c, delta in zip(coefficients, self.deltas) if delta)
+        with_base = self.base is not None and base_coefficient
         out = None
+        # The inputs are checked through the sum: a NaN or Inf in any of them (even at
+        # coefficient 0: 0 · Inf is NaN) leaves one in it. Checking each input instead costs one
+        # more pass over all of them; the one at fault is found after, when there is one.
         for c, reader, label in zip(coefficients, self.inputs, self.labels):
-            x = self._whole(reader, label)
-            # The first input is copied (never scaled in place: it may be the caller's tensor).
-            out = x.to(torch.float32, copy=True).mul_(c) if out is None else out.add_(x, alpha=c)
-        if self.base is not None and base_coefficient:
-            out.add_(self.base_tensor(), alpha=base_coefficient)
+            x = self._whole(reader, label, check=False)
+            # The first input is scaled into a new tensor (never in place: it may be the caller's).
+            out = torch.mul(x.to(torch.float32), c) if out is None else out.add_(x, alpha=c)
+        if with_base:
+            out.add_(self._whole(self.base, self.base_label, check=False), alpha=base_coefficient)
         if not finite(out):
+            read = [*zip(self.inputs, self.labels), *([(self.base, self.base_label)] if with_base else [])]
+            for reader, label in read:
+                self._whole(reader, label)  # raises for the first input with a NaN or Inf
             raise MergeInputError(f"tensor {self.name}: the merged values overflow float32")
         return out
 
@@ -147,25 +156,45 @@ class TensorInputs:
 
     def block(self, i: int) -> torch.Tensor:
         """The (K, n_i) fp32 task vectors of block i: scratch space, which a method may overwrite
-        (then it must not ask for the block again)."""
+        (then it must not ask for the block again). Built column chunk by column chunk: each
+        input's entries copied in, θ0's subtracted and the result checked while the chunk is in
+        cache (whole rows copied, then subtracted, then checked took three passes over the block
+        in memory; on a CPU the inputs are memory-map views, so this is their only copy)."""
         if self._kept is not None and self._kept[0] == i:
             return self._kept[1]
         a, b = self.row_blocks[i]
         n = (b - a) * self.per_row
         stack = self.workspace.get(self.k * n, self.device).view(self.k, n)
-        for k, (reader, label) in enumerate(zip(self.inputs, self.labels)):
-            stack[k].copy_(self._read(reader, label, a, b).reshape(-1))
-        models = [k for k, delta in enumerate(self.deltas) if not delta]
-        if self.base is not None and models:
-            base = self.base_block(i)
-            if len(models) == self.k:
-                stack.sub_(base)
-            else:
-                for k in models:
-                    stack[k].sub_(base)
+        sources = [reader(a, b).reshape(-1) for reader in self.inputs]  # as stored, where stored
+        models = [k for k, delta in enumerate(self.deltas) if not delta] if self.base is not None else []
+        base = self.base(a, b).reshape(-1) if models else None
+
+        def fill(cols: slice, _: list[torch.Tensor]) -> None:
+            chunk = stack[:, cols]
+            for row, source in zip(chunk, sources):
+                row.copy_(source[cols])
+            if base is not None:
+                theta0 = base[cols].to(self.device)
+                if len(models) == self.k:
+                    chunk.sub_(theta0)
+                else:
+                    for k in models:
+                        chunk[k].sub_(theta0)
+            if not finite(chunk):
+                self._blame(sources, base, cols)
+
+        map_chunks(fill, chunks(stack), list, workers(stack))
         if len(self.row_blocks) == 1:
             self._kept = (i, stack)
         return stack
+
+    def _blame(self, sources: list[torch.Tensor], base: torch.Tensor | None, cols: slice) -> None:
+        """Raise for the input (or θ0) whose entries ``cols`` hold a NaN or Inf; if none does, the
+        task vectors overflow float32."""
+        for source, label in [*zip(sources, self.labels), (base, self.base_label)]:
+            if source is not None and not finite(source[cols]):
+                raise MergeInputError(f"{label}: tensor {self.name} contains NaN or Inf")
+        raise MergeInputError(f"tensor {self.name}: a task vector (θ_k − θ0) overflows float32")
 
     def base_block(self, i: int) -> torch.Tensor | None:
         """θ0's entries of block i, flat, as stored (None without a base)."""

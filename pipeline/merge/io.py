@@ -1,7 +1,8 @@
 """Lazy, shard-by-shard tensor IO for ``save_pretrained`` folders (or single safetensors files).
 
-:class:`CheckpointReader` opens safetensors files with ``safe_open`` (memory-mapped, headers
-only) and reads one tensor at a time. :class:`ShardedWriter` plans the output shards from the
+:class:`CheckpointReader` opens safetensors files with ``safe_open`` (headers only) and reads
+one tensor at a time, as a view of the file's memory map (no copy: a merge reads every input
+byte once, from the page cache). :class:`ShardedWriter` plans the output shards from the
 tensor names, shapes and dtypes before any tensor is computed, writes each shard's header
 first and then every tensor's bytes as it is produced, so the writer holds one tensor at a
 time whatever the shard size. :func:`stream_checkpoint` is the loop every checkpoint producer
@@ -14,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import math
+import mmap
 import queue
 import shutil
 import struct
@@ -44,6 +46,7 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
+VIEWABLE = {dtype for dtype in DTYPES.values() if dtype != torch.bool}  # read as memory-map views
 
 
 class MergeInputError(ValueError):
@@ -86,6 +89,7 @@ class CheckpointReader:
         self.path = Path(path)
         self.files = self._weight_files()
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}  # file -> (its bytes, data start, header)
         self.location: dict[str, Path] = {}
         self.info: dict[str, TensorInfo] = {}
         self._transposed: set[str] = set()  # fused expert tensors read in the other layout
@@ -151,10 +155,16 @@ class CheckpointReader:
         return tensor.transpose(1, 2).contiguous() if name in self._transposed else tensor
 
     def reader(self, name: str):
-        """Rows ``[start, stop)`` of tensor ``name`` as stored: only those bytes are read."""
+        """Rows ``[start, stop)`` of tensor ``name`` as stored: only those bytes are read. The rows
+        are a view of the file's memory map where they can be (read-only use: a caller that writes
+        to them writes to a private copy, never to the file): copying them first, as
+        ``get_slice`` does, was one more pass over every input."""
         file = self.location[name]
+        mapped = None if name in self._transposed else self._mapped(file, name)
 
         def rows(start: int, stop: int) -> torch.Tensor:
+            if mapped is not None:
+                return mapped[start:stop]
             try:
                 if not self.info[name].shape:  # a scalar: one row of one entry
                     return self._open(file).get_tensor(name).reshape(1)[start:stop]
@@ -165,6 +175,30 @@ class CheckpointReader:
                 raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err
 
         return rows
+
+    def _mapped(self, file: Path, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` as a view of ``file``'s memory map, or None where a view cannot be made
+        (a scalar, an entry not aligned to its dtype: then ``get_slice`` copies it)."""
+        info = self.info[name]
+        if not math.prod(info.shape) or info.dtype not in VIEWABLE:
+            return None
+        if file not in self._maps:
+            try:
+                with open(file, "rb") as f:
+                    (size,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(size))
+                    # ACCESS_COPY: a private mapping, writable (torch.frombuffer wants that) without
+                    # ever writing to the file; pages are shared with the page cache until written.
+                    self._maps[file] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), 8 + size, header)
+            except (OSError, ValueError, struct.error) as err:
+                raise MergeInputError(f"{file}: cannot read safetensors ({err}); corrupt or truncated?") from err
+        buffer, start, header = self._maps[file]
+        begin, end = header[name]["data_offsets"]
+        element = info.dtype.itemsize
+        if (start + begin) % element or end - begin != math.prod(info.shape) * element:
+            return None
+        flat = torch.frombuffer(buffer, dtype=info.dtype, count=(end - begin) // element, offset=start + begin)
+        return flat.view(info.shape)
 
     def config(self) -> dict:
         path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"

@@ -57,7 +57,7 @@ def _bracketed(x: torch.Tensor, k: int) -> torch.Tensor | None:
         torch.abs(x[:, cols], out=a)
         above = torch.gt(a, hi, out=over).sum(1)
         within = torch.ge(a, lo, out=within).sub_(over)  # lo ≤ |x| ≤ hi
-        return above, within.sum(1), a[within.bool()]
+        return above, within.sum(1), _selected(a, within.bool())
 
     parts = map_chunks(count, chunks(x), scratch(x, 3), workers(x))
     above = torch.stack([p[0] for p in parts]).sum(0, dtype=torch.float64)
@@ -72,6 +72,14 @@ def _bracketed(x: torch.Tensor, k: int) -> torch.Tensor | None:
         row = torch.cat(values[r::rows])
         result[r] = row.kthvalue(row.numel() - int(need[r]) + 1).values
     return result
+
+
+def _selected(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x[mask]``. On a CPU through NumPy: torch's boolean indexing scans a mask 5× slower
+    (≈ 1 ms against 0.2 ms for 0.5 M entries, 2 % of them kept), and it was most of this pass."""
+    if x.device.type != "cpu":
+        return x[mask]
+    return torch.from_numpy(x.numpy()[mask.numpy()])
 
 
 def _radix(blocks: Callable[[], Iterable[torch.Tensor]], k: int) -> torch.Tensor:

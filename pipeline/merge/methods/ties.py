@@ -62,15 +62,15 @@ def ties(
         threshold = kth_largest_abs(blocks, keep, n).view(-1, 1)
     else:
         threshold = torch.zeros(rows, 1, device=device)
-    w = weights.to(device).view(-1, 1)
+    w = weights.to(device)
     out = torch.empty(n, dtype=torch.float32, device=device)  # the elected signs, then the merged values
 
     def elect(flat: torch.Tensor, start: int) -> Callable[[slice, list[torch.Tensor]], float]:
         def chunk_signs(cols: slice, buffers: list[torch.Tensor]) -> float:
             chunk = flat[:, cols]
-            weighted = _weigh(_trim(chunk, threshold, view(buffers[0], chunk)), w, view(buffers[0], chunk))
+            trimmed = _trim(chunk, threshold, view(buffers[0], chunk))
             sign = out[start + cols.start : start + cols.stop]
-            return float(torch.sign(weighted.sum(0), out=sign).sum(dtype=torch.float64))  # exact
+            return float(torch.sign(w @ trimmed, out=sign).sum(dtype=torch.float64))  # exact
 
         return chunk_signs
 
@@ -78,10 +78,9 @@ def ties(
         def chunk_means(cols: slice, buffers: list[torch.Tensor]) -> None:
             chunk = flat[:, cols]
             trimmed = chunk if one_block else _trim(chunk, threshold, view(buffers[0], chunk))
-            weighted = _weigh(trimmed, w, view(buffers[0], chunk))
             sign = out[start + cols.start : start + cols.stop]
             elected = sign.square().neg_().add_(1).mul_(majority).add_(sign)  # the majority where 0
-            sign.copy_(_disjoint_mean(weighted, elected, w, normalize))
+            sign.copy_(_disjoint_mean(trimmed, elected, w, normalize, view(buffers[0], chunk)))
 
         return chunk_means
 
@@ -102,20 +101,18 @@ def _trim(chunk: torch.Tensor, threshold: torch.Tensor, a: torch.Tensor) -> torc
     return chunk.mul_(a)
 
 
-def _weigh(trimmed: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return torch.mul(trimmed, w, out=out)
-
-
-def _disjoint_mean(weighted: torch.Tensor, elected: torch.Tensor, w: torch.Tensor, normalize: bool) -> torch.Tensor:
+def _disjoint_mean(
+    trimmed: torch.Tensor, elected: torch.Tensor, w: torch.Tensor, normalize: bool, a: torch.Tensor
+) -> torch.Tensor:
     """Σ_k w_k τ̂_k [agree] / Σ_k w_k [agree] per column (without ``normalize``, the numerator),
-    where agree means kept with the elected sign; overwrites ``weighted``. The numerator sums the
-    agreeing magnitudes and takes the sign after: the same terms in the same order as summing the
-    signed values, so the same bits."""
-    agreeing = weighted.mul_(elected).clamp_min_(0)
-    numerator = agreeing.sum(0).mul_(elected)
+    where agree means kept with the elected sign; ``a`` is scratch. The sums over k are products
+    with the weight vector (one pass each, where weighing and then summing takes two); the
+    numerator sums the agreeing magnitudes and takes the sign after."""
+    agreeing = torch.mul(trimmed, elected, out=a).clamp_min_(0)
+    numerator = (w @ agreeing).mul_(elected)
     if not normalize:
         return numerator
-    denominator = agreeing.gt_(0).mul_(w).sum(0).clamp_min_(torch.finfo(torch.float32).tiny)  # nobody kept: 0
+    denominator = (w @ agreeing.gt_(0)).clamp_min_(torch.finfo(torch.float32).tiny)  # nobody kept: 0
     return numerator.div_(denominator)
 
 
