@@ -6,8 +6,9 @@ For K = 2, 4, 8 generated checkpoints of ``--size-mb`` each (a Qwen2 model's ten
 is its own), ``--repeats`` times; the median is printed (these machines are noisy). The floor,
 measured in the same run on the same files, is a plain streaming read of every tensor of the
 files a method reads (θ0 and the K models; the K models alone for the weighted average, which
-never reads θ0) plus an fp32 weighted sum. Targets: the averages at ≥ 50 % of it, TIES and DARE
-at ≥ 25 %.
+never reads θ0) plus an fp32 weighted sum. It copies each tensor out of the file, as earlier
+pages' floors did; a merge reads memory-map views, so an average can beat it. Targets: the
+averages at ≥ 50 % of it, TIES and DARE at ≥ 25 %.
 
 ``--load N`` measures everything again beside N busy processes (default: as many as this
 process has CPUs) and prints the loaded/unloaded ratio: a process that shares C cores with N

@@ -1,7 +1,7 @@
 """The exact k-th largest |x| of every row of a (K, n) fp32 block: the trim threshold of TIES.
 
 For a block held whole the value is bracketed from a strided sample and pinned down in one pass
-that counts what lies above the bracket and keeps what lies inside it (about 1 % of the entries);
+that counts what lies above the bracket and keeps what lies inside it (about 2 % of the entries);
 a bracket that misses (a sample unlike the rest) falls back to a radix select on the float bits:
 two histogram passes, no sort. A block too large to hold is read in column blocks by the radix
 select. ``torch.kthvalue`` gives the same values (it is the tests' reference) but sorts a copy.
