@@ -75,8 +75,9 @@ def _bracketed(x: torch.Tensor, k: int) -> torch.Tensor | None:
 
 
 def _selected(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x[mask]``. On a CPU through NumPy: torch's boolean indexing scans a mask 5× slower
-    (≈ 1 ms against 0.2 ms for 0.5 M entries, 2 % of them kept), and it was most of this pass."""
+    """``x[mask]``. On a CPU through NumPy, whose boolean indexing took 0.2 ms where torch's took
+    0.9 ms on a chunk of 0.5 M entries with 2 % kept: the pass over an (8, 11.5 M) block went
+    from 183 to 145 ms."""
     if x.device.type != "cpu":
         return x[mask]
     return torch.from_numpy(x.numpy()[mask.numpy()])
