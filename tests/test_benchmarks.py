@@ -38,6 +38,12 @@ TASKS = ["toy_perception", "toy_reading", "toy_reasoning"]
 PARTS = ["toy_reasoning_direct", "toy_reasoning_steps"]
 
 
+def scored(record: dict) -> dict:
+    """``record`` when its job scored; otherwise a failure naming the job's error and log tail."""
+    assert "score" in record, f"{record['model']}/{record['task']}: {record.get('error')}\n{record.get('log_tail')}"
+    return record
+
+
 def samples_of(folder: Path, task: str) -> list[dict]:
     (file,) = folder.rglob(f"*_samples_{task}.jsonl")
     return [json.loads(line) for line in file.read_text().splitlines()]
@@ -50,7 +56,7 @@ def jobs(tiny_run):
     cfg = small_config(f"eval.benchmarks=[{', '.join(TASKS)}]", "data.builtin.benchmark_examples=12")
     write_tasks(cfg, run_dir)
     theta0 = str(run_dir / "init")
-    return cfg, run_dir, {task: run_benchmark(cfg, run_dir, "theta0", theta0, task) for task in TASKS}
+    return cfg, run_dir, {task: scored(run_benchmark(cfg, run_dir, "theta0", theta0, task)) for task in TASKS}
 
 
 def hand_count(run_dir: Path, folder: Path, task: str) -> float:
@@ -141,8 +147,8 @@ def test_data_parallel_ranks_answer_every_question_as_one_process_does(jobs):
     cfg = small_config(tasks, "data.builtin.benchmark_examples=12", "eval.benchmark_batch_size=1")
     theta0 = str(run_dir / "init")
     for task in ("toy_perception", "toy_reasoning"):
-        one = run_benchmark(cfg, run_dir, "ranks-1", theta0, task, Slot(processes=1))
-        two = run_benchmark(cfg, run_dir, "ranks-2", theta0, task, Slot(processes=2))
+        one = scored(run_benchmark(cfg, run_dir, "ranks-1", theta0, task, Slot(processes=1)))
+        two = scored(run_benchmark(cfg, run_dir, "ranks-2", theta0, task, Slot(processes=2)))
         assert "torch.distributed.run --standalone --nproc_per_node=2" in two["command"]
         assert one["score"] == two["score"] and one["identity"] == two["identity"]
         for part in PARTS if task == "toy_reasoning" else [task]:
