@@ -47,6 +47,9 @@ DTYPES = {
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 VIEWABLE = {dtype for dtype in DTYPES.values() if dtype != torch.bool}  # read as memory-map views
+# Bytes per write() of a merged tensor. Beside a busy merge on 2 cores, 512 MB written as one
+# write() per 46 MB tensor took 0.2-3.7 s (7 of 9 tries over 0.3 s), in 1 MB writes 0.13-0.26 s.
+WRITE_PIECE = 1 << 20
 
 
 class MergeInputError(ValueError):
@@ -291,9 +294,10 @@ class ShardedWriter:
                 if name in self._shard_starts:
                     self._finish_shard(file, digest)
                     file, digest = self._open_shard(self._shard_starts[name])
-                data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-                file.write(data.data)
-                digest.update(data.data)
+                data = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+                for start in range(0, data.nbytes, WRITE_PIECE):
+                    file.write(data[start : start + WRITE_PIECE])
+                digest.update(data)
                 self.bytes_written += data.nbytes
             stopped = True
             self._finish_shard(file, digest)
