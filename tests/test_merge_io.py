@@ -355,12 +355,16 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
     assert verify_checkpoint(out)["kind"] == "merge" and not list(tmp_path.glob(".merged.tmp-*"))
 
 
-def test_stream_checkpoint_writes_shards_and_a_side_checkpoint_that_load(tmp_path):
+def test_stream_checkpoint_writes_shards_and_a_side_checkpoint_that_load(tmp_path, monkeypatch):
     """The one streaming writer of merges and DiLoCo rounds: tensors produced one at a time land
     in planned shards that safetensors and the index read back exactly, the side checkpoint
-    (a round's momentum) beside them, with the sha256 of every file."""
+    (a round's momentum) beside them, with the sha256 of every file. Each tensor (512 bytes) is
+    written in pieces of 100 bytes, the last one shorter, as a large tensor is in 1 MB pieces."""
     from pipeline.checkpoint import sha256_file
+    from pipeline.merge import io
     from pipeline.merge.io import TensorInfo, stream_checkpoint
+
+    monkeypatch.setattr(io, "WRITE_PIECE", 100)
 
     torch.manual_seed(0)
     values = {f"layer{i}.weight": torch.randn(16, 8) for i in range(4)} | {"norm.weight": torch.ones(8)}
