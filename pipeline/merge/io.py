@@ -47,8 +47,8 @@ DTYPES = {
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 VIEWABLE = {dtype for dtype in DTYPES.values() if dtype != torch.bool}  # read as memory-map views
-# Bytes per write() of a merged tensor. Beside a busy merge on 2 cores, 512 MB written as one
-# write() per 46 MB tensor took 0.2-3.7 s (6 of 9 tries over 0.3 s), in 1 MB writes 0.13-0.26 s.
+# Bytes per write() of a merged tensor. Beside a thread running tensor operations on 2 cores, 512 MB
+# written as one write() per 46 MB took 0.2-3.7 s (6 of 9 tries over 0.3 s), in 1 MB writes 0.13-0.26 s.
 WRITE_PIECE = 1 << 20
 
 
