@@ -16,7 +16,9 @@ single-threaded spinners gets C / (C + N) of them, 2× its unloaded time for N =
 
 ``--mergekit CMD`` times whole commands: ``merit merge`` and mergekit (``CMD CONFIG OUT``, e.g.
 ``mergekit-yaml``) on the same checkpoints for the methods both have, and both on tiny
-checkpoints (their start-up).
+checkpoints (their start-up). Beside them it times the whole-command floor, ``merit merge``
+averaging every file a method reads, and prints mergekit's seconds over it: the ratio no merge
+of these files can pass on this machine, whatever its method.
 
 Memory: peak RSS includes the input files' pages that safetensors memory-maps (file-backed page
 cache, reclaimable, shared); peak anonymous RSS (sampled every 10 ms) is what the merge itself
@@ -344,12 +346,30 @@ def compare_with_mergekit(args, methods: list[str], base: Path, models: list[Pat
     tiny = folder / "tiny"
     tiny.mkdir()
     tiny_base, tiny_models = generate(tiny, 2, 0.5, args.dtype)
-    print(f"   {'whole command':<18}  {'merit s':>7}  {'mergekit s':>10}  {'mergekit/merit':>14}")
+    floors = {reads_base: floor_command(base, models, folder, reads_base, args.repeats) for reads_base in (False, True)}
+    print(f"   floor (whole command): {floors[False]:.2f} s over the K models, {floors[True]:.2f} s with θ0")
+    header = f"   {'whole command':<18}  {'merit s':>7}  {'mergekit s':>10}  {'mergekit/merit':>14}"
+    print(header + f"  {'mergekit/floor':>14}")
     cases = [(m, base, models, folder, f"{m}, K = {len(models)}") for m in methods]
     cases.append(("weighted_average", tiny_base, tiny_models, tiny, "start-up (tiny)"))
     for method, b, ms, where, label in cases:
         ours, theirs = command_pair(method, b, ms, where, args.mergekit, args.dtype)
         mine, other = timed_command(ours, args.repeats), timed_command(theirs, args.repeats)
-        print(f"   {label:<18}  {mine:7.2f}  {other:10.2f}  {other / mine:14.2f}", flush=True)
+        ceiling = f"{other / floors[METHODS[method].base]:14.2f}" if where == folder else f"{'':>14}"
+        print(f"   {label:<18}  {mine:7.2f}  {other:10.2f}  {other / mine:14.2f}  {ceiling}", flush=True)
         for out in where.glob(f"*-{method}"):  # both outputs
             shutil.rmtree(out)
+
+
+def floor_command(base: Path, models: list[Path], folder: Path, reads_base: bool, repeats: int) -> float:
+    """Median seconds of the whole-command floor: ``merit merge`` averaging every file a method
+    reads (the K models, and θ0 as one more input where the method reads it). It starts up, reads
+    those bytes, writes an output of the same size and computes one multiply-add per entry read,
+    so mergekit's seconds over it are the largest ratio any merge of these files reaches on this
+    machine; its writes land in the page cache as a merge's do."""
+    paths = [base, *models] if reads_base else models
+    spec, out = folder / f"floor-{len(paths)}.yaml", folder / f"floor-{len(paths)}"
+    spec.write_text(yaml.safe_dump(merge_spec("weighted_average", base, paths, out).model_dump(mode="json")))
+    seconds = timed_command([sys.executable, "-m", "merit", "merge", str(spec)], repeats)
+    shutil.rmtree(out)
+    return seconds

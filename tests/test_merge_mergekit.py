@@ -213,3 +213,33 @@ def test_karcher_equal_to_mergekit(checkpoints, tmp_path):
     one_step = run_ours("karcher", {"max_iter": 1}, None, folders, [1.0] * 3, tmp_path / "one")
     with pytest.raises(AssertionError):
         assert_same_merge(one_step, theirs, None)
+
+
+def test_bench_merge_times_both_commands_beside_the_whole_command_floor(capsys):
+    """``merit bench merge --mergekit`` runs mergekit's real command beside ``merit merge`` and the
+    floor (``merit merge`` averaging every file the method reads), and prints mergekit's seconds
+    over each; the start-up row (tiny checkpoints) has no floor."""
+    import sys
+
+    from merit.cli import main as merit
+
+    mergekit_yaml = f"{sys.executable} -m mergekit.scripts.run_yaml --no-copy-tokenizer"
+    args = ["bench", "merge", "--k", "2", "--size-mb", "1", "--repeats", "1", "--methods", "ties"]
+    merit([*args, "--mergekit", mergekit_yaml])
+    out = capsys.readouterr().out
+    floor = next(line for line in out.splitlines() if line.strip().startswith("floor (whole command)"))
+    over_models, with_base = (float(word) for word in floor.split() if word.replace(".", "").isdigit())
+    ties = next(line.split() for line in out.splitlines() if line.strip().startswith("ties, K = 2"))
+    mine, theirs, ratio, ceiling = (float(x) for x in ties[-4:])
+    assert quotient_of(ratio, theirs, mine)
+    assert quotient_of(ceiling, theirs, with_base)  # TIES reads θ0: the floor over the K + 1 files
+    assert over_models > 0 and with_base > 0
+    startup = next(line.split() for line in out.splitlines() if "start-up (tiny)" in line)
+    assert len(startup) == 2 + 3  # label words, then merit, mergekit and their ratio: no floor
+
+
+def quotient_of(printed: float, numerator: float, denominator: float) -> bool:
+    """Whether a ratio printed to 2 decimals is the quotient of two seconds printed to 2 decimals
+    (the bench divides the unrounded ones)."""
+    low, high = (numerator - 0.005) / (denominator + 0.005), (numerator + 0.005) / (denominator - 0.005)
+    return low - 0.005 <= printed <= high + 0.005
