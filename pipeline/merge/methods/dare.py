@@ -17,15 +17,18 @@ rescale, whose expectation it matches); its masks are ``torch.bernoulli`` draws.
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import numpy as np
 import torch
 from pydantic import Field, field_validator
 
+from pipeline.merge.chunks import workers
 from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
 from pipeline.merge.sparse import Sparsified, Sparsifier, combine
+from pipeline.threads import map_chunks
 
 RNG_STRETCH = 1 << 20  # entries per generator
 LEVELS = 1 << 16  # values of one draw
@@ -76,12 +79,28 @@ def dropper(inputs: TensorInputs, p: float, ctx: TensorContext) -> Sparsifier:
     def drop(block: torch.Tensor, i: int) -> None:
         if level == -LEVELS // 2:
             return
-        span, keep = inputs.span(i), torch.empty(block.shape[1], device=block.device)
-        for k in range(inputs.k):
-            torch.ge(draws(ctx, k, span.start, span.stop).to(block.device), level, out=keep)
-            block[k].mul_(keep)
+        start = inputs.span(i).start
+
+        # One stretch's columns at a time, on threads of their own: its draws and a reused keep
+        # buffer stay in cache (whole rows at once allocated a fresh (n,) mask per model and drew
+        # every stretch on one thread).
+        def drop_columns(cols: slice, buffers: list[torch.Tensor]) -> None:
+            keep = buffers[0][: cols.stop - cols.start]
+            for k in range(inputs.k):
+                torch.ge(draws(ctx, k, start + cols.start, start + cols.stop).to(block.device), level, out=keep)
+                block[k, cols].mul_(keep)
+
+        scratch = lambda: [torch.empty(min(RNG_STRETCH, block.shape[1]), device=block.device)]
+        map_chunks(drop_columns, stretches(start, block.shape[1]), scratch, workers(block))
 
     return drop
+
+
+def stretches(start: int, n: int) -> list[slice]:
+    """Columns [0, n) of a block that starts at entry ``start``, cut where a generator's stretch
+    begins."""
+    cuts = [0, *range(-start % RNG_STRETCH or RNG_STRETCH, n, RNG_STRETCH), n]
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def rescale(p: float) -> float:
