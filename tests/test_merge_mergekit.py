@@ -12,6 +12,7 @@ methods run at density 1, where no entry is dropped: their masks come from diffe
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.merge import checkpoint_shapes, qwen2_config
+from merit.cli import main as merit
 from pipeline.merge import MergeSpec, merge_checkpoints
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is a test dependency (pip install -e '.[dev]')")
@@ -219,10 +221,6 @@ def test_bench_merge_times_both_commands_beside_the_whole_command_floor(capsys):
     """``merit bench merge --mergekit`` runs mergekit's real command beside ``merit merge`` and the
     floor (``merit merge`` averaging every file the method reads), and prints mergekit's seconds
     over each; the start-up row (tiny checkpoints) has no floor."""
-    import sys
-
-    from merit.cli import main as merit
-
     mergekit_yaml = f"{sys.executable} -m mergekit.scripts.run_yaml --no-copy-tokenizer"
     args = ["bench", "merge", "--k", "2", "--size-mb", "1", "--repeats", "1", "--methods", "ties"]
     merit([*args, "--mergekit", mergekit_yaml])

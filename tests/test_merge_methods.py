@@ -7,6 +7,7 @@ import torch
 from benchmarks.isoc import spectrum_matrix
 from pipeline.merge import Rule, TensorContext, TensorInputs, get_method, merge_state_dicts, merge_tensor, tensor_reader
 from pipeline.merge.linalg import iso
+from pipeline.merge.methods.dare import draws, drop_level, rescale
 
 SHAPES = {"square": (24, 24), "rect": (40, 17), "vector": (33,)}
 
@@ -164,6 +165,21 @@ def test_dare_drops_and_rescales_with_a_seed():
 
     assert torch.equal(seeded(0), seeded(0)) and not torch.equal(seeded(0), seeded(1))
     assert not torch.equal(seeded(0), seeded(0, "other.tensor"))  # masks differ per tensor name
+
+
+def test_dare_masks_are_each_entrys_draw_across_generator_stretches_and_blocks():
+    """A tensor of 2.1 M entries (three generators' stretches) merged whole and one row per block
+    (blocks starting inside a stretch): each entry of τ_k is kept exactly where its own draw says."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 700_000)
+    models = [base + torch.randn(3, 700_000) for _ in range(2)]
+    rule = [Rule(pattern="*", method="dare", params={"drop": 0.5})]
+    ctx = TensorContext("t", 0)
+    keep = [draws(ctx, k, 0, base.numel()).view(3, -1) >= drop_level(0.5) for k in range(2)]
+    expected = sum(0.5 * (m - base) * kept for m, kept in zip(models, keep)) * rescale(0.5) + base
+    for block_bytes in (1 << 30, 3 * 4 * 700_000):  # one block; one row per block
+        out = merge_state_dicts([{"t": m} for m in models], [1, 1], rule, base={"t": base}, block_bytes=block_bytes)
+        torch.testing.assert_close(out["t"], expected, rtol=0, atol=1e-5)  # a wrong mask: O(1)
 
 
 @pytest.mark.parametrize("k, shape, zero", PARAMS)

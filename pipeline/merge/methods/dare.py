@@ -98,7 +98,8 @@ def dropper(inputs: TensorInputs, p: float, ctx: TensorContext) -> Sparsifier:
 
 def stretches(start: int, n: int) -> list[slice]:
     """Columns [0, n) of a block that starts at entry ``start``, cut where a generator's stretch
-    begins."""
+    begins: each piece's draws come from one generator (``draws`` gives the same values for any
+    cut, so the cuts move only time)."""
     cuts = [0, *range(-start % RNG_STRETCH or RNG_STRETCH, n, RNG_STRETCH), n]
     return [slice(a, b) for a, b in itertools.pairwise(cuts)]
 
