@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> None:
     if not (run_dir / INIT / "model.safetensors").is_file():
         build_theta0(cfg, run_dir)
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
-    branches = moved_branches(run_dir, 2)
+    branches = moved_branches(run_dir, 2, "cpu")
     load = args.load or available_cpus()
     stages = {
         "calibrate": lambda: run_in_process(_timed, calibrate_stage, cfg, init, run, "cpu"),

@@ -118,8 +118,8 @@ def train_steps(cfg: RunConfig, run_dir: Path, steps: int) -> dict[str, float]:
     }
 
 
-def moved_branches(run_dir: Path, k: int) -> list[str]:
-    """K copies of θ0, each moved a little: the merges' inputs."""
+def moved_branches(run_dir: Path, k: int, device: str) -> list[str]:
+    """K copies of θ0, each moved a little: the merges' inputs (the noise drawn on ``device``)."""
     from safetensors.torch import load_file, save_file
 
     weights = load_file(run_dir / INIT / "model.safetensors")
@@ -127,8 +127,11 @@ def moved_branches(run_dir: Path, k: int) -> list[str]:
     for i, folder in enumerate(folders):
         if not (folder / "model.safetensors").is_file():
             folder.mkdir(parents=True, exist_ok=True)
-            g = torch.Generator().manual_seed(i)
-            moved = {n: t + (1e-3 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in weights.items()}
+            g = torch.Generator(device).manual_seed(i)
+            moved = {
+                n: t + (1e-3 * torch.randn(t.shape, generator=g, device=device)).to(t.dtype).cpu()
+                for n, t in weights.items()
+            }
             save_file(moved, str(folder / "model.safetensors"))
             shutil.copy2(run_dir / INIT / "config.json", folder / "config.json")
     return [str(f) for f in folders]
@@ -151,7 +154,7 @@ def main(args: argparse.Namespace) -> None:
     cfg, run_dir = resolve_run(args)
     init = str(run_dir / INIT)
     if not (run_dir / INIT / "model.safetensors").is_file():
-        build_theta0(cfg, run_dir)
+        build_theta0(cfg, run_dir, device)
     prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
     params = json.loads((run_dir / INIT / "manifest.json").read_text())["parameters"]["total"]
     run = str(run_dir)
@@ -186,7 +189,7 @@ def main(args: argparse.Namespace) -> None:
     largest = max(math.prod(info.shape) for info in CheckpointReader(init).info.values())
     merges = []
     for k in args.k:
-        branches = moved_branches(run_dir, k)
+        branches = moved_branches(run_dir, k, device)
         for method in args.methods.split(","):
             out = f"{run}/bench/merged"
             measured = run_in_process(_measured, merge_stage, device, init, branches, method, out, device)

@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty
 
 import torch
 import yaml
@@ -181,13 +182,22 @@ def _floor_process(queue, paths: list[Path]) -> None:
 
 
 def run_in_process(target, *args):
+    """What ``target(queue, *args)`` puts on its queue, run in a fresh process. A child that dies
+    first (an error, a full disk, the OOM killer) raises here: a bare ``queue.get`` would wait forever."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(queue, *args))
     proc.start()
-    result = queue.get()
-    proc.join()
-    return result
+    while True:
+        alive = proc.is_alive()  # read before the get: a result put just before the child exited is still taken
+        try:
+            result = queue.get(timeout=1)
+        except Empty:
+            if alive:
+                continue
+            raise RuntimeError(f"{target.__name__} exited with code {proc.exitcode} and no result") from None
+        proc.join()
+        return result
 
 
 def merge_spec(method: str, base: Path, models: list[Path], out: Path, device: str = "cpu") -> MergeSpec:

@@ -88,6 +88,8 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     trust_remote_code: bool = False
+    # transformers' hub kernels (Liger…): code the Hub sends as a model loads; transformers' default is on
+    use_kernels: bool = False
     # Lower bound of an image's area (Qwen families); InternVL tiles as its processor config says
     min_pixels: int = Field(56 * 56, ge=28 * 28)
     # Upper bound of an image's area (Qwen families); a tiny InternVL's most tiles: max_pixels // 56²

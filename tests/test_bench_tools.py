@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.merge import run_in_process
 from merit.cli import main as merit
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.layout import bench_dir
@@ -52,6 +54,12 @@ def test_isoc_refuses_a_shape_that_is_not_m_by_n(capsys):
 def small_run(tmp_path_factory) -> Path:
     """One run directory at the small widths, shared by memory and load (θ0 built once)."""
     return tmp_path_factory.mktemp("bench") / "run"
+
+
+def test_a_measurement_whose_process_dies_first_raises_instead_of_waiting_for_its_result():
+    # sys.exit(queue): the child exits with code 1 and puts nothing (as a merge on a full disk did)
+    with pytest.raises(RuntimeError, match="exit exited with code 1 and no result"):
+        run_in_process(sys.exit)
 
 
 def test_memory_measures_every_stage_and_the_merge_it_ran(small_run, capsys):

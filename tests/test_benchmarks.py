@@ -111,7 +111,8 @@ def test_a_group_with_an_aggregate_is_scored_by_lmms_evals_own(jobs, tmp_path):
 def test_the_recorded_command_run_as_written_redoes_the_job(jobs):
     _, run_dir, records = jobs
     record, folder = records["toy_reading"], benchmark_dir(run_dir, "theta0") / "toy_reading"
-    assert record["command"].startswith(f"cd {folder} && HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python -m")
+    environment = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 USE_HUB_KERNELS=NO"
+    assert record["command"].startswith(f"cd {folder} && {environment} python -m")
     assert "--seed 0" in record["command"] and record["command"].count("--include_path=") == 1
     first, answers = lmms_results(folder), [s["filtered_resps"] for s in samples_of(folder, "toy_reading")]
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `python`: this one

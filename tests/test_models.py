@@ -111,6 +111,14 @@ def test_load_model_refuses_a_corrupt_checkpoint(tiny_run, tmp_path):
         load_model(copy, cfg.model)
 
 
+def test_load_model_leaves_transformers_hub_kernels_off_unless_asked(tiny_run):
+    """transformers kernelizes a model by default, with code the Hub sends (offline on a GPU: a crash)."""
+    cfg, run_dir = tiny_run
+    assert load_model(run_dir / "init", cfg.model).use_kernels is False
+    asked = cfg.model.model_copy(update={"use_kernels": True})
+    assert load_model(run_dir / "init", asked).use_kernels is True
+
+
 def test_manifest_records_parameter_counts(tiny_run):
     _, run_dir = tiny_run
     manifest = json.loads((run_dir / "init" / "manifest.json").read_text())

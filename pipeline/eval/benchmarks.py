@@ -321,8 +321,10 @@ def _launcher(slot: Slot) -> list[str]:
 def job_environment(cfg: RunConfig, plan: TaskPlan, checkpoint: str | None = None) -> dict[str, str]:
     """Offline datasets when the hub is offline; the judge's settings for a judged task (its
     lmms-eval module reads them when imported); the job's CPU threads (one for a model too small
-    to split its operations, as :func:`pipeline.threads.fit_threads_to_model`)."""
+    to split its operations, as :func:`pipeline.threads.fit_threads_to_model`); transformers' hub
+    kernels only when ``model.use_kernels`` asks (lmms-eval loads the model itself)."""
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if offline() else {}
+    env["USE_HUB_KERNELS"] = "YES" if cfg.model.use_kernels else "NO"
     style = next((judge_style(t) for t in plan.tasks if judge_style(t)), None)
     if style:
         env |= judge_environment(cfg.eval.judge, style)

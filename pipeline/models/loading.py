@@ -71,6 +71,7 @@ def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
         dtype=DTYPES[model_cfg.dtype],
         attn_implementation=model_cfg.attn_implementation,
         trust_remote_code=model_cfg.trust_remote_code,
+        use_kernels=model_cfg.use_kernels,
     )
     if adapter:
         model = merge_adapter(model, adapter)
