@@ -4,8 +4,7 @@ then 1 vs 2 ranks. Target: the trainer's overhead ≤ 15 %.
 
 ``--size 3b`` (the default with ``--device cuda``): a randomly initialised Qwen2.5-VL at the 3B
 model's widths, bf16, ZeRO-2, one GPU, trained by the same branch trainer on the built-in corpus
-with 448×448 images: tokens/s and model FLOPs utilisation, 6 · (N_language + 4 · f · N_vision)
-FLOPs per token, f the share of image tokens (each image token is 2×2 = 4 vision patches).
+with 448×448 images: tokens/s and model FLOPs utilisation (:func:`flops_per_token`).
 ``--size small`` runs that path at a width a CPU can take, to check it without a GPU."""
 
 from __future__ import annotations
@@ -67,6 +66,15 @@ def trainer_rate(spec: BranchSpec) -> float:
 def trainer_rate_from(out: Path) -> float:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["tokens_per_s"] for r in records[WARMUP_STEPS:])
+
+
+def flops_per_token(n_total: int, n_vision: int, image_share: float, vision_trains: bool) -> float:
+    """Model FLOPs a trained token costs: 6 per language parameter (forward 2, backward 4), and per
+    vision parameter 4 · f times that, f the share of image tokens (each is 2×2 = 4 patches). A
+    frozen vision tower (the default) runs forward only, 2 per parameter: nothing ahead of it
+    needs its input's gradient. Attention's own FLOPs are left out (short sequences)."""
+    per_vision_parameter = 6 if vision_trains else 2
+    return 6 * (n_total - n_vision) + per_vision_parameter * 4 * image_share * n_vision
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,11 +170,12 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     train_branch(spec, echo=False)
     trained = time.perf_counter() - start
     rate = trainer_rate_from(out)
-    flops_per_token = 6 * ((n_total - n_vision) + 4 * image_share * n_vision)
+    frozen = cfg.model.freeze.freeze_vision_tower
+    flops = flops_per_token(n_total, n_vision, image_share, vision_trains=not frozen)
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print(
         f"Qwen2.5-VL at the {size} widths: {n_total / 1e6:,.1f} M parameters ({n_vision / 1e6:,.1f} M vision), "
-        f"{cfg.model.dtype}, ZeRO-2, 1 {device}"
+        f"{cfg.model.dtype}, ZeRO-2, 1 {device}, vision tower {'frozen' if frozen else 'trained'}"
     )
     print(
         f"micro batch {cfg.train.micro_batch}, {args.steps} steps, "
@@ -176,6 +185,6 @@ def real_width(args: argparse.Namespace, size: str) -> None:
     print(f"tokens/s (median after {WARMUP_STEPS} steps): {rate:,.0f}")
     if args.peak_tflops:
         print(
-            f"model FLOPs utilisation: {100 * flops_per_token * rate / (args.peak_tflops * 1e12):.1f} % "
+            f"model FLOPs utilisation: {100 * flops * rate / (args.peak_tflops * 1e12):.1f} % "
             f"of {args.peak_tflops:.0f} TFLOP/s"
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.merge import run_in_process
+from benchmarks.train import flops_per_token
 from merit.cli import main as merit
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.layout import bench_dir
@@ -93,6 +94,14 @@ def bounds(cell: str) -> tuple[float, float]:
     digits = len(cell.strip().split(".")[1]) if "." in cell else 0
     half = 0.5 * 10**-digits
     return number(cell) - half, number(cell) + half
+
+
+def test_mfu_counts_a_frozen_vision_tower_forward_only():
+    # The 3B widths: 3,754.6 M parameters, 668.7 M of them vision; 83 % of the tokens image tokens
+    frozen = flops_per_token(3754.6e6, 668.7e6, 0.83, vision_trains=False)
+    trained = flops_per_token(3754.6e6, 668.7e6, 0.83, vision_trains=True)
+    assert frozen == pytest.approx(6 * 3085.9e6 + 2 * 4 * 0.83 * 668.7e6)
+    assert trained - frozen == pytest.approx(4 * 4 * 0.83 * 668.7e6)  # the tower's backward: 4 per parameter
 
 
 def test_train_at_a_real_width_reports_tokens_per_second_and_mfu(tmp_path, capsys):
