@@ -72,7 +72,8 @@ def flops_per_token(n_total: int, n_vision: int, image_share: float, vision_trai
     """Model FLOPs a trained token costs: 6 per language parameter (forward 2, backward 4), and per
     vision parameter 4 · f times that, f the share of image tokens (each is 2×2 = 4 patches). A
     frozen vision tower (the default) runs forward only, 2 per parameter: nothing ahead of it
-    needs its input's gradient. Attention's own FLOPs are left out (short sequences)."""
+    needs its input's gradient. The projector is counted with the tower (it runs once per image
+    token, not per patch: under 1 % of the total at 3B); attention's own FLOPs are left out."""
     per_vision_parameter = 6 if vision_trains else 2
     return 6 * (n_total - n_vision) + per_vision_parameter * 4 * image_share * n_vision
 
