@@ -34,8 +34,14 @@ from pipeline.train.sampling import BranchData
 BATCH = 16
 
 
+# How another config's branches batch and run their steps (benchmarks take them with --like).
+BATCH_KEYS = ("packing", "max_tokens", "packing_window", "micro_batch", "grad_accum", "gradient_checkpointing")
+BATCH_KEYS += ("loader_workers", "packed_attention", "liger_kernel", "fused_optimizer")
+
+
 def like(path: str) -> list[str]:
-    """Overrides that give the tiny run another config's image sizes, batch and loader workers."""
+    """Overrides that give a run another config's image sizes, example length, frozen parts, batch
+    and loader workers."""
     other = load_config(path)
     side = math.isqrt(other.model.min_pixels)
     return [
@@ -43,9 +49,10 @@ def like(path: str) -> list[str]:
         f"model.max_pixels={other.model.max_pixels}",
         f"data.builtin.image_size={side}",  # drawn at the smallest size the processor keeps as it is
         f"model.dtype={other.model.dtype}",  # the images reach the rank in it
-        f"train.micro_batch={other.train.micro_batch}",
-        f"train.grad_accum={other.train.grad_accum}",
-        f"train.loader_workers={other.train.loader_workers}",
+        f"model.freeze.freeze_vision_tower={other.model.freeze.freeze_vision_tower}",
+        f"model.freeze.freeze_multi_modal_projector={other.model.freeze.freeze_multi_modal_projector}",
+        f"data.max_length={other.data.max_length}",
+        *(f"train.{key}={getattr(other.train, key)}" for key in BATCH_KEYS),
     ]
 
 

@@ -229,8 +229,24 @@ class TrainSection(Section):
     # when given (then the joint baseline gets K × steps).
     epochs: float = Field(1.0, gt=0)
     steps: int | None = Field(None, ge=1)
-    micro_batch: int = Field(8, ge=1)  # per process
+    # Micro batches: padding-free packed rows of at most ``max_tokens`` tokens (images' tokens
+    # included), filled first-fit from windows of ``packing_window`` shuffled examples, each example
+    # with its own positions and attention (docs/concepts/training.md); or, with ``packing: false``,
+    # ``micro_batch`` examples padded to the longest.
+    packing: bool = True
+    max_tokens: int = Field(16384, ge=16)  # per packed micro batch
+    packing_window: int = Field(1024, ge=1)  # examples packed together; the packs keep their order
+    micro_batch: int = Field(8, ge=1)  # per process, padded batches only (packing: false)
     grad_accum: int = Field(1, ge=1)
+    # The attention of packed micro batches: varlen (torch's variable-length flash attention, each
+    # example its own sequence; CUDA), sdpa (a dense block-diagonal mask), flex_attention (a block-
+    # sparse mask), flash_attention_4 (the flash-attn-4 package, where installed); auto: varlen on a
+    # GPU, sdpa on the CPU. Padded batches use model.attn_implementation.
+    packed_attention: Literal["auto", "varlen", "sdpa", "flex_attention", "flash_attention_4"] = "auto"
+    # Liger's fused Triton kernels (liger-kernel from PyPI: RMSNorm, SwiGLU, (m)RoPE) patched into
+    # the model; auto: on a GPU for the families Liger supports. Never the Hub's kernels.
+    liger_kernel: bool | Literal["auto"] = "auto"
+    fused_optimizer: bool = True  # torch's fused AdamW (one kernel for every tensor), else its foreach one
     lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)
@@ -244,6 +260,7 @@ class TrainSection(Section):
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
     checkpoint_every: int = Field(50, ge=1)
     timeout_s: int = Field(6 * 3600, ge=1)
+    profile_steps: int = Field(0, ge=0)  # steps recorded by torch.profiler after the first 3 (profile.md); 0: none
     # LoRA through PEFT, with LLaMA-Factory's option names and LoRA defaults, but full fine-tuning by
     # default (LLaMA-Factory's is lora); what else differs: docs/guides/lora.md.
     finetuning_type: Literal["full", "lora"] = "full"
@@ -273,11 +290,13 @@ class TrainSection(Section):
         return (self.lora_alpha or 2.0 * self.lora_rank) / self.lora_rank
 
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.processes
+        """Micro batches a step trains on, over all ranks: packed rows, or padded batches' examples."""
+        return (1 if self.packing else self.micro_batch) * self.grad_accum * self.processes
 
-    def steps_for(self, examples: int) -> int:
-        """Optimizer steps of this budget over ``examples`` training examples."""
-        return self.steps or max(1, math.ceil(self.epochs * examples / self.global_batch()))
+    def steps_for(self, items: int) -> int:
+        """Optimizer steps of this budget over ``items`` per epoch: packed micro batches, or
+        training examples when padded."""
+        return self.steps or max(1, math.ceil(self.epochs * items / self.global_batch()))
 
 
 class WarmupSection(Section):

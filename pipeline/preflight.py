@@ -11,6 +11,7 @@ any training).
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from pipeline.config import ConfigError, RunConfig
 from pipeline.layout import base_path, is_tiny
+from pipeline.models.kernels import liger_unavailable
 
 
 class PreflightError(ConfigError):
@@ -138,8 +140,14 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
         if device.startswith("cuda") and gpus <= (int(device.split(":")[1]) if ":" in device else 0):
             raise ConfigError(f"{key} is {device}, but this machine has {gpus} GPU(s)")
     # Branches on a deployment train on other machines; here they share this one's GPUs.
-    if gpus and not cfg.flow.branch_deployment and cfg.train.processes > gpus:
+    here = not cfg.flow.branch_deployment
+    if gpus and here and cfg.train.processes > gpus:
         raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
+    if here and cfg.train.liger_kernel is True and (reason := liger_unavailable()):
+        raise ConfigError(f"train.liger_kernel is true, but {reason}")
+    if cfg.train.packing and cfg.train.packed_attention == "flash_attention_4" and not find_spec("flash_attn"):
+        # transformers would fetch a Hub kernel instead, as the branch starts
+        raise ConfigError("train.packed_attention is flash_attention_4, but the flash-attn-4 package is not installed")
     return f"{gpus} GPU(s)" if gpus else "CPU only"
 
 

@@ -28,6 +28,7 @@ SIZES = [
     "calibration.n_per_source=4",
     "warmup.steps=4",
     "train.micro_batch=4",
+    "train.max_tokens=256",  # about 4 of the built-in examples a packed micro batch
     "train.checkpoint_every=100",
     "eval.max_new_tokens=8",
     "data.builtin.benchmark_examples=4",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.merge import run_in_process
-from benchmarks.train import flops_per_token
+from benchmarks.train import model_flops
 from merit.cli import main as merit
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.layout import bench_dir
@@ -96,21 +96,47 @@ def bounds(cell: str) -> tuple[float, float]:
     return number(cell) - half, number(cell) + half
 
 
-def test_mfu_counts_a_frozen_vision_tower_forward_only():
-    # The 3B widths: 3,754.6 M parameters, 668.7 M of them vision; 83 % of the tokens image tokens
-    frozen = flops_per_token(3754.6e6, 668.7e6, 0.83, vision_trains=False)
-    trained = flops_per_token(3754.6e6, 668.7e6, 0.83, vision_trains=True)
-    assert frozen == pytest.approx(6 * 3085.9e6 + 2 * 4 * 0.83 * 668.7e6)
-    assert trained - frozen == pytest.approx(4 * 4 * 0.83 * 668.7e6)  # the tower's backward: 4 per parameter
+def test_model_flops_count_the_3b_widths_parameters_as_the_formula_takes_them(tmp_path):
+    """At Qwen2.5-VL-3B's widths (built on the meta device): the blocks are every language parameter
+    but the tied embedding, attention runs in all 36 layers, and a frozen tower costs 2 FLOPs per
+    parameter and patch where a trained one costs 6."""
+    from benchmarks.widths import width_overrides
+    from pipeline.config import load_config
+    from pipeline.models import build_tiny_processor
+    from pipeline.models.tiny import tiny_config
+
+    cfg = load_config(None, width_overrides("3b"))
+    tiny_config(cfg.model, build_tiny_processor(cfg.model, 0).tokenizer).save_pretrained(tmp_path)
+    flops = model_flops(tmp_path)
+    hidden, inter, kv = 2048, 11008, 2 * 128
+    layer = 2 * hidden * hidden + hidden + 2 * (hidden * kv + kv) + 3 * hidden * inter + 2 * hidden
+    assert flops.blocks == 36 * layer + hidden  # the final norm too
+    assert (flops.head, flops.attention_layers, flops.heads, flops.head_dim) == (151936 * hidden, 36, 16, 128)
+    frozen, trained = (flops.per_token(0.8, 0.1, 1000.0, vision_trains=v) for v in (False, True))
+    expected = 6 * flops.blocks + 6 * flops.head * 0.1 + 12 * 36 * 16 * 128 * 1000.0 + 2 * flops.vision * 4 * 0.8
+    assert frozen == pytest.approx(expected) and trained - frozen == pytest.approx(4 * flops.vision * 4 * 0.8)
 
 
-def test_train_at_a_real_width_reports_tokens_per_second_and_mfu(tmp_path, capsys):
-    """The path `merit bench train --device cuda` takes at 3B, at the small widths on CPU."""
+def bench_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_train_at_a_real_width_ends_with_a_json_line_of_its_figures(tmp_path, capsys):
+    """The path `merit bench train --device cuda` takes at 3B (the shipped 3B config's batch), at the
+    small widths on CPU, with a smaller token budget, and a profile of two steps."""
     run_dir = tmp_path / "run"
-    merit(["bench", "train", DEMO, "--run-dir", str(run_dir), "--size", "small", "--steps", "4", "--micro-batch", "1"])
-    out = capsys.readouterr().out
-    rate = float(re.search(r"tokens/s \(median after 3 steps\): ([\d,]+)", out)[1].replace(",", ""))
-    records = [json.loads(line) for line in (bench_dir(run_dir, "train") / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 4 and records[3]["tokens_per_s"] > 0
-    assert rate == pytest.approx(records[3]["tokens_per_s"], abs=0.5)  # the median of the one step after warm-up
-    assert re.search(r"model FLOPs utilisation: [\d.]+ % of 989 TFLOP/s", out)
+    sizes = ["--size", "small", "--steps", "5", "--profile", "2", "--set", "train.max_tokens=1024"]
+    merit(["bench", "train", DEMO, "--run-dir", str(run_dir), *sizes])
+    (line,) = bench_lines(capsys.readouterr().out)
+    out = bench_dir(run_dir, "train") / "trainer"
+    records = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == line["steps"] == 5 and line["packing"] and line["mfu"] is None  # no MFU on a CPU
+    assert line["padding_share"] == 0.0 and line["examples"] == records[-1]["examples"]
+    measured = records[3:]  # after the 3 warm-up steps
+    tokens = records[-1]["tokens"] - records[2]["tokens"]
+    seconds = records[-1]["elapsed_s"] - records[2]["elapsed_s"]
+    assert line["tokens_per_s_with_wait"] == pytest.approx(tokens / seconds, rel=1e-6)
+    assert line["tokens_per_s"] == pytest.approx(tokens / (seconds - sum(r["data_wait_s"] for r in measured)))
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["steps"] == 2 and 0 < profile["matmul_share"] < 1 and profile["top"]
+    assert (out / "profile.md").read_text().startswith("# Profile: 2 steps on cpu")

@@ -3,6 +3,9 @@ example, merged without dropping a tensor, fused experts merged expert by expert
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -13,13 +16,19 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import save_pretrained_checkpoint
+from pipeline.config import TrainSection
 from pipeline.data.builtin import make_example
 from pipeline.data.encode import Collator, Encoder
+from pipeline.data.packed import PackedCollator
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import TensorInfo, check_complete
 from pipeline.models import init_model, load_model, parameter_groups
+from pipeline.models.attention import packed_attention, prepare_for_packing
 from pipeline.models.families import UnsupportedModelError, get_family, supported
+from pipeline.models.kernels import patch as patch_with_liger
+from pipeline.models.kernels import use_liger
 from pipeline.models.loading import DTYPES
+from pipeline.models.loss import decoder_states, supervised_nll
 from pipeline.train import train_branch
 
 ROOT = Path(__file__).parent.parent
@@ -304,3 +313,105 @@ def test_a_generation_that_raises_passes_through_internvl_hfs_except_exception()
             failing_loudly(out_of_memory)(max_new_tokens=8)
         except Exception:  # what internvl_hf's generate_until does
             pytest.fail("caught as an ordinary exception: the job would score an empty answer")
+
+
+MIXED = [("caption", 0), ("add_digits", 1), ("colour_name", 2), ("reverse_word", 3)]  # images, text, of 28-51 tokens
+
+
+def packed_model(path: str, cfg, attention: str):
+    """θ0 loaded for packed micro batches as a branch loads it, with ``attention``."""
+    model = load_model(path, cfg.model, attn_implementation=packed_attention(TrainSection(packed_attention=attention)))
+    prepare_for_packing(model)
+    return model
+
+
+def mixed_examples(path: str) -> tuple[list, Collator]:
+    processor = AutoProcessor.from_pretrained(path)
+    examples = [make_example(source, i, seed=0, image_size=64) for source, i in MIXED]
+    return Encoder(processor, 512).encode_batch(examples), Collator(processor.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_a_packed_micro_batch_trains_as_its_examples_one_at_a_time(theta0, attention):
+    """Examples with and without images, packed into one row: the loss summed over their supervised
+    tokens and every tensor's gradient are those of the examples run alone, unpacked (the loss in
+    fp32; the gradients in float64, where rounding cannot hide a difference of attention or positions)."""
+    model_type, cfg, path = theta0
+    model = packed_model(path, cfg, attention)
+    encoded, padded = mixed_examples(path)
+    assert {e.pixel_values is None for e in encoded} == {True, False} and len({e.num_tokens for e in encoded}) > 2
+    row = PackedCollator(model.config)(encoded)
+    packed, count = supervised_nll(model, row)
+    alone = [supervised_nll(model, padded([e])) for e in encoded]
+    assert count == sum(n for _, n in alone) == sum(e.num_supervised for e in encoded)
+    assert packed.item() == pytest.approx(sum(nll.item() for nll, _ in alone), rel=1e-5)
+
+    if model_type.endswith("_moe"):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    model.double()
+
+    def gradients(batches) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        for batch in batches:
+            supervised_nll(model, batch)[0].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference, together = gradients([padded([e]) for e in encoded]), gradients([row])
+    assert together.keys() == reference.keys()
+    for name, grad in reference.items():
+        assert (together[name] - grad).norm() <= 1e-5 * grad.norm(), name
+
+
+def test_an_example_in_a_packed_row_sees_nothing_of_its_neighbours(theta0):
+    """Change one example's tokens and another's image: every other example's hidden states are
+    bit for bit the same (attention, positions, the vision tower and linear attention stay inside
+    each example), and the changed ones' are not."""
+    _, cfg, path = theta0
+    model = packed_model(path, cfg, "varlen")
+    encoded, _ = mixed_examples(path)
+    collate = PackedCollator(model.config)
+    changed = [replace(e) for e in encoded]
+    changed[1] = replace(
+        encoded[1],
+        input_ids=torch.cat([encoded[1].input_ids[:5], encoded[1].input_ids[5:15].flip(0), encoded[1].input_ids[15:]]),
+    )
+    changed[2] = replace(encoded[2], pixel_values=encoded[2].pixel_values + 0.5)
+    with torch.no_grad():
+        before, after = (decoder_states(model, collate(items))[0] for items in (encoded, changed))
+    edges = np.cumsum([0] + [e.num_tokens for e in encoded])
+    same = [torch.equal(before[a:b], after[a:b]) for a, b in pairwise(edges)]
+    assert same == [True, False, False, True]
+
+
+@pytest.fixture
+def transformers_restored():
+    """Liger's patches also replace classes and functions in transformers' modeling modules, for the
+    whole process (a branch's): put every one back for the tests that follow."""
+    modules = {name: dict(vars(m)) for name, m in sys.modules.items() if name.startswith("transformers.models.")}
+    yield
+    for name, saved in modules.items():
+        vars(sys.modules[name]).clear()
+        vars(sys.modules[name]).update(saved)
+    for name in [n for n in sys.modules if n.startswith("transformers.models.") and n not in modules]:
+        del sys.modules[name]  # imported by a patch, and patched: imported afresh when next needed
+
+
+def test_liger_is_off_without_a_gpu_and_its_patch_for_the_family_reaches_the_models_norms(
+    theta0, transformers_restored
+):
+    """On a CPU ``auto`` trains without Liger and says why, ``true`` refuses. Liger's own patch for
+    the family, applied to the instance (what a GPU branch runs), replaces the forward of every
+    RMSNorm of the language model, or fails to import before touching anything (liger-kernel
+    0.8.5's Qwen2.5-VL and Qwen3-VL patches import an output class transformers 5.25 renamed)."""
+    _, cfg, path = theta0
+    model = load_model(path, cfg.model)
+    assert use_liger(TrainSection(), model) == "off (there is no GPU: Liger's kernels are Triton GPU kernels)"
+    with pytest.raises(ValueError, match="train.liger_kernel is true, but there is no GPU"):
+        use_liger(TrainSection(liger_kernel=True), model)
+    norms = [m for n, m in model.named_modules() if "language_model" in n and type(m).__name__.endswith("RMSNorm")]
+    try:
+        patch_with_liger(model)
+    except ImportError as err:
+        assert "liger_kernel" in str(err) and not any("forward" in vars(m) for m in model.modules())
+    else:
+        assert norms and all("forward" in vars(m) for m in norms)

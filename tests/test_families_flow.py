@@ -29,6 +29,7 @@ SMALL = [
     "data.builtin.examples_per_source=8",
     "warmup.steps=0",
     "train.micro_batch=4",
+    "train.max_tokens=256",  # about 4 of the built-in examples a packed micro batch
     f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
     "flow.joint_baseline=false",
     "flow.retry_delay_s=0",

@@ -33,6 +33,7 @@ OVERRIDES = [
     "warmup.steps=4",
     "train.steps=16",
     "train.micro_batch=4",
+    "train.max_tokens=256",  # about 4 of the built-in examples a packed micro batch
     "train.checkpoint_every=4",
     f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
     "flow.retry_delay_s=0",

@@ -37,6 +37,7 @@ OVERRIDES = [
     "warmup.steps=0",
     "train.steps=6",
     "train.micro_batch=4",
+    "train.max_tokens=256",  # about 4 of the built-in examples a packed micro batch
     "train.checkpoint_every=3",
     "flow.joint_baseline=false",
     "merge.methods=[{name: token_average, method: weighted_average}]",

@@ -86,6 +86,7 @@ def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
             f"data.sources=[{{name: flan, format: vision_flan, path: {tmp_path}/none.json}}]",
             f"train.deepspeed={bad}",
             "merge.device=cuda",
+            "train.liger_kernel=on",
         ],
     )
     with pytest.raises(PreflightError) as err:
@@ -95,6 +96,12 @@ def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
     assert "Org/Missing" in lines[0] and "hf download Org/Missing" in lines[0]
     assert "none.json does not exist" in lines[1] and "['optimizer'] come from the train section" in lines[2]
     assert "merge.device is cuda, but this machine has 0 GPU(s)" in lines[3]
+    fa4 = load_config(ROOT / "configs/demo.yaml", ["train.packed_attention=flash_attention_4"])
+    with pytest.raises(PreflightError, match="flash_attention_4, but the flash-attn-4 package is not installed"):
+        check_run(fa4, tmp_path / "run")
+    liger = load_config(ROOT / "configs/demo.yaml", ["train.liger_kernel=on", "merge.device=cpu"])
+    with pytest.raises(PreflightError, match="train.liger_kernel is true, but there is no GPU"):
+        check_run(liger, tmp_path / "run")
     cfg = load_config(ROOT / "configs/demo.yaml", [f"train.deepspeed={stage7}"])
     with pytest.raises(PreflightError, match="DeepSpeed refuses it.*stage"):
         check_run(cfg, tmp_path / "run")

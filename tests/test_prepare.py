@@ -147,12 +147,7 @@ def test_only_the_fine_tuning_sources_reach_calibration_branches_and_shards(role
     for spec in specs:
         data = BranchData.for_branch(spec, processor)
         t = spec.train
-        drawn = {
-            (ex.source, ex.index)
-            for step in range(t.steps)
-            for batch in data.micro_batches(step, t.micro_batch, t.grad_accum)
-            for ex in batch
-        }
+        drawn = {(ex.source, ex.index) for step in range(t.steps) for batch in data.micro_batches(step) for ex in batch}
         assert {source for source, _ in drawn} == set(spec.sources), spec.name
         assert drawn == {(ex.source, ex.index) for ex in data.examples}  # an epoch: every training example
     assert all(sorted(sources) == sorted(FINETUNE) for sources, _ in shards(cfg, run_dir))

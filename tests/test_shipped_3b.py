@@ -43,7 +43,7 @@ def overrides(annotation: Path, images: Path) -> list[str]:
         "calibration.n_per_source=4",
         "calibration.batch_size=2",
         "calibration.r=1",  # K = 2
-        "train.micro_batch=1",
+        "train.max_tokens=128",  # two or three of these tiny examples a packed micro batch
         "train.processes=2",
         "train.checkpoint_every=2",
         "train.loader_workers=1",
@@ -180,7 +180,7 @@ def test_the_shipped_config_runs_from_the_hub_snapshot_in_bf16_and_survives_a_ki
     assert ran.model.revision == snapshot.name  # the hub commit the run started from, pinned
     shipped = load_config(CONFIG, [*settings, f"model.revision={snapshot.name}"])
     assert ran == shipped  # the shipped file itself, with the overrides only
-    assert ran.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct" and ran.train.grad_accum == 4
+    assert ran.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct" and ran.train.packing
     assert not (snapshot / "manifest.json").exists()  # used in place, as downloaded
 
     finals = [run_dir / "branches" / str(k) / "final" for k in range(2)]

@@ -39,7 +39,7 @@ def overrides(annotation: Path, images: Path) -> list[str]:
         "calibration.n_per_source=4",
         "calibration.batch_size=2",
         "calibration.r=1",  # K = 2
-        "train.micro_batch=1",
+        "train.max_tokens=128",  # two or three of these tiny examples a packed micro batch
         "train.grad_accum=2",
         "train.loader_workers=1",
         "eval.batch_size=4",

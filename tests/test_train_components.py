@@ -17,6 +17,7 @@ from pipeline.models.loss import mean_nll, supervised_nll
 from pipeline.train import BranchSpec
 from pipeline.train.launch import BranchFailed
 from pipeline.train.loader import StepBatches, step_batches
+from pipeline.train.packing import PackOrder, first_fit
 from pipeline.train.plan import all_sources, group_specs, joint_spec
 from pipeline.train.sampling import BatchOrder, BranchData
 
@@ -37,6 +38,39 @@ def test_an_epoch_draws_every_example_once_and_the_order_is_a_function_of_the_st
     assert np.array_equal(together, order.global_batch(2, 8))  # the ranks split the step's examples
 
 
+def test_first_fit_puts_each_example_in_the_first_micro_batch_with_room():
+    packs = first_fit(np.array([60, 50, 40, 30, 20, 90]), budget=100)
+    assert [p.tolist() for p in packs] == [[0, 2], [1, 3, 4], [5]]
+
+
+def test_packed_epochs_hold_every_example_once_within_the_budget_and_resume_on_the_same_batches():
+    lengths = np.random.default_rng(0).integers(5, 60, size=500)
+    order = PackOrder(lengths, budget=100, window=64, seed=3)
+    for epoch in range(2):
+        packs = order.epoch(epoch)
+        assert sorted(np.concatenate(packs).tolist()) == list(range(500))  # each example exactly once
+        assert max(lengths[p].sum() for p in packs) <= 100
+        assert lengths.sum() / (100 * len(packs)) > 0.9  # first-fit over windows leaves little room unused
+    assert [p.tolist() for p in order.epoch(0)] != [p.tolist() for p in order.epoch(1)]  # a new draw each epoch
+    per_epoch = order.per_epoch()
+    spanning = order.micro_batches(per_epoch - 1, 2)  # the last of epoch 0, the first of epoch 1
+    assert [p.tolist() for p in spanning] == [order.epoch(0)[-1].tolist(), order.epoch(1)[0].tolist()]
+    ranks = [order.rank_batches(5, grad_accum=2, rank=r, world=2) for r in range(2)]
+    assert [p.tolist() for m in range(2) for p in (ranks[0][m], ranks[1][m])] == [
+        p.tolist() for p in order.micro_batches(20, 4)
+    ]
+    resumed = PackOrder(lengths, budget=100, window=64, seed=3)  # a restarted process: no sampler state
+    steps = range(3 * per_epoch // 2 - 2, 3 * per_epoch // 2 + 2)  # mid-epoch 1, and across into epoch 2
+    assert all(
+        [p.tolist() for p in resumed.rank_batches(s, 1, 0, 1)] == [p.tolist() for p in order.rank_batches(s, 1, 0, 1)]
+        for s in steps
+    )
+    other = PackOrder(lengths, budget=100, window=64, seed=4)
+    assert [p.tolist() for p in other.epoch(0)] != [p.tolist() for p in order.epoch(0)]
+    with pytest.raises(ValueError, match="an example of 60 tokens does not fit a micro batch of 50"):
+        PackOrder(np.array([10, 60]), budget=50, window=8, seed=0)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("components")
@@ -47,7 +81,9 @@ def run_dir(tmp_path_factory):
 
 
 def spec(run_dir: Path, *overrides: str, sources=SOURCES) -> BranchSpec:
-    cfg = load_config(run_dir / "config.yaml", ["train.micro_batch=4", "train.grad_accum=2", *overrides])
+    """A padded branch (``train.packing=true`` among the overrides: a packed one)."""
+    settings = ["train.packing=false", "train.micro_batch=4", "train.grad_accum=2", *overrides]
+    cfg = load_config(run_dir / "config.yaml", settings)
     init = str(run_dir / "init")
     return BranchSpec(
         name="b", run_dir=str(run_dir), init=init, sources=sources, out_dir=str(run_dir / "b"), config=cfg
@@ -61,7 +97,7 @@ def test_epochs_resolve_into_steps_over_the_branch_data_and_the_joint_baseline_g
     assert spec(run_dir, "train.steps=5").train.steps == 5  # steps override epochs
     assert BranchSpec.model_validate_json(branch.model_dump_json()).digest() == branch.digest()
 
-    cfg = load_config(run_dir / "config.yaml", ["train.micro_batch=4", "train.grad_accum=2"])
+    cfg = load_config(run_dir / "config.yaml", ["train.packing=false", "train.micro_batch=4", "train.grad_accum=2"])
     everything = all_sources(run_dir)  # 18 sources of 18 training examples
     SplitPlan([everything[:12], everything[12:]], [1, 1], 1, [1.0], "pca", 0).save(
         run_dir / "calibration" / "split.json"
@@ -73,8 +109,27 @@ def test_epochs_resolve_into_steps_over_the_branch_data_and_the_joint_baseline_g
     assert joint_spec(steps, run_dir).train.steps == 2 * 3  # K × steps with the override
 
 
-def test_prefetching_workers_give_the_same_batches_and_a_resumed_loader_starts_at_its_step(run_dir, processor):
-    branch = spec(run_dir, "train.steps=4")
+def test_packed_epochs_resolve_into_steps_of_packed_micro_batches(run_dir, processor):
+    branch = spec(run_dir, "train.packing=true", "train.max_tokens=300", "train.epochs=2")
+    data = BranchData.for_branch(branch, processor)
+    lengths = np.array([len(ex.token_ids) for ex in data.examples])
+    assert np.array_equal(branch.lengths(), lengths)  # the spec's counts, from the token cache alone
+    per_epoch = PackOrder(lengths, 300, branch.train.packing_window, seed=0).per_epoch()
+    assert branch.train.steps == -(-2 * per_epoch // 2)  # ceil(epochs × micro batches / (accumulation × ranks))
+    batches = [data.micro_batches(s) for s in range(branch.train.steps)]
+    assert all(len(b) == 2 for b in batches)  # grad_accum packed micro batches a step
+    seen = [id(ex) for step in batches[: per_epoch // 2] for micro in step for ex in micro]
+    assert len(seen) == len(set(seen))  # within an epoch, no example twice
+    too_small = spec(run_dir, "train.packing=true", "train.max_tokens=40", "train.steps=1")
+    with pytest.raises(
+        ValueError, match=r"source 'colour_name' has \d+ training example\(s\) over train.max_tokens = 40"
+    ):
+        too_small.validate_inputs()
+
+
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_prefetching_workers_give_the_same_batches_and_a_resumed_loader_starts_at_its_step(run_dir, processor, packing):
+    branch = spec(run_dir, "train.steps=4", f"train.packing={packing}", "train.max_tokens=300")
     data = BranchData.for_branch(branch, processor)
     inline = list(step_batches(StepBatches(data, branch.train, 0, 1), 0, pin_memory=False))
     workers = branch.train.model_copy(update={"loader_workers": 2})
@@ -82,12 +137,20 @@ def test_prefetching_workers_give_the_same_batches_and_a_resumed_loader_starts_a
     resumed = list(step_batches(StepBatches(data, branch.train, 0, 1), 2, pin_memory=False))
     assert [b.step for b in inline] == [0, 1, 2, 3] and [b.step for b in resumed] == [2, 3]
     for a, b in [*zip(inline, prefetched), *zip(inline[2:], resumed)]:
-        assert (a.tokens, a.supervised, len(a.micro)) == (b.tokens, b.supervised, 2)
+        assert (a.tokens, a.supervised, a.examples, len(a.micro)) == (b.tokens, b.supervised, b.examples, 2)
         for x, y in zip(a.micro, b.micro):
-            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            assert x.keys() == y.keys() and all(
+                torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x
+            )
+    one = inline[0]
+    rows = sum(m["input_ids"].shape[0] for m in one.micro)
+    assert rows == (2 if packing == "true" else 8) and one.positions == sum(m["input_ids"].numel() for m in one.micro)
+    assert (one.positions == one.tokens) == (packing == "true")  # a packed row has no padding
     two_ranks = StepBatches(data, branch.train, 1, 2)[0]  # rank 1 of 2: a filler image where none
     assert all("pixel_values" in m for m in two_ranks.micro)
-    assert two_ranks.supervised == [int((m["labels"] != -100).sum()) for m in two_ranks.micro]
+    assert two_ranks.supervised == [len(m["loss_positions"]) for m in two_ranks.micro]
+    answers = [sum(e.num_supervised for e in data.encoder.encode_batch(g)) for g in data.micro_batches(0, 1, 2)]
+    assert two_ranks.supervised == answers  # the filler adds no label
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +176,8 @@ def test_the_loss_without_full_logits_equals_the_models_own_in_value_and_gradien
         for name, grad in reference.items():
             torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(mean_nll(model, batch), own, rtol=1e-5, atol=1e-6)
-    unsupervised = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    nothing = torch.zeros(0, dtype=torch.long)
+    unsupervised = {**batch, "loss_positions": nothing, "loss_targets": nothing}
     for pieces in (None, 3):  # a rank without answers still projects as often as the others
         nll, count = supervised_nll(model, unsupervised, pieces=pieces)
         assert count == 0 and nll.item() == 0 and nll.requires_grad  # still part of the graph

@@ -247,9 +247,18 @@ class Encoder:
         )
 
 
+def supervised_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of a sequence whose next token carries a label, and those labels: position t
+    predicts token t + 1, as in the model's own shifted loss."""
+    following = labels[1:]
+    positions = (following != IGNORE_INDEX).nonzero().flatten()
+    return positions, following[positions]
+
+
 class Collator:
     """Pads a list of :class:`Encoded` (right padding) and concatenates the image tensors of
-    the examples that have images, so image and text-only examples share a batch."""
+    the examples that have images, so image and text-only examples share a batch. The supervised
+    positions are gathered as indices into the flattened (rows × length) hidden states."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -273,6 +282,9 @@ class Collator:
             batch["mm_token_type_ids"] = pad("mm_token_type_ids", 0)
         for row, item in enumerate(items):
             batch["attention_mask"][row, : item.num_tokens] = 1
+        gathered = [supervised_positions(item.labels) for item in items]
+        batch["loss_positions"] = torch.cat([p + row * length for row, (p, _) in enumerate(gathered)])
+        batch["loss_targets"] = torch.cat([t for _, t in gathered])
         with_images = [item for item in items if item.pixel_values is not None]
         if with_images:
             batch["pixel_values"] = torch.cat([item.pixel_values for item in with_images])

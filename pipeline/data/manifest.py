@@ -1,11 +1,15 @@
 """The prepared data's manifest (``data/manifest.json``): what the prepare stage wrote, read by
-every later stage and the report without importing the encoders."""
+every later stage and the report without importing the encoders; and the examples' token counts
+from the token cache beside it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from safetensors import safe_open
 
 MANIFEST_PATH = Path("data") / "manifest.json"
 
@@ -25,3 +29,15 @@ def active_sources(manifest: dict[str, Any], role: str | None = "finetune") -> d
         for name, info in manifest["sources"].items()
         if not info.get("dropped") and role in (None, info.get("role", "finetune"))
     }
+
+
+def train_lengths(run_dir: str | Path, sources: list[str]) -> dict[str, np.ndarray]:
+    """Each source's training examples' token counts, in order, from the prepared token cache
+    (its offsets alone: no example is loaded)."""
+    known = active_sources(read_manifest(run_dir), role=None)
+    lengths = {}
+    for name in sources:
+        with safe_open(str(Path(run_dir) / known[name]["tokens_file"]), "np") as cache:
+            counts = np.diff(cache.get_tensor("offsets"))
+        lengths[name] = np.delete(counts, known[name]["heldout_indices"])
+    return lengths

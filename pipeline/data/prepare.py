@@ -71,6 +71,7 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
             return manifest
     loaded = _load(cfg)
     encoder = Encoder(processor, cfg.data.max_length)
+    budget = cfg.train.max_tokens if cfg.train.packing else None  # a packed micro batch's tokens
     total = sum(len(v) for v in loaded.examples.values())
     sources = {}
     with tqdm(total=total, desc="prepare: encoding", unit="ex", leave=False) as bar:
@@ -78,7 +79,7 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
             heldout = _heldout(cfg, loaded, name)
             tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
             sources[name] = (
-                _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file)
+                _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file, budget)
                 | {
                     "role": loaded.roles[name],
                     "tokens_file": str(tokens_file),
@@ -113,9 +114,10 @@ def _heldout(cfg: RunConfig, loaded: LoadedSources, name: str) -> list[int]:
 
 
 def _encode_source(
-    examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path
+    examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path, budget: int | None
 ) -> dict[str, int]:
-    """Encode one source in batches: count its tokens and cache its token ids."""
+    """Encode one source in batches: count its tokens and cache its token ids. A training example
+    longer than a packed micro batch (``budget``) is refused, named, before anything trains."""
     counts = dict.fromkeys(
         ("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0
     )
@@ -128,6 +130,11 @@ def _encode_source(
     for position, enc in enumerate(encoded):
         ids.append(enc.input_ids.to(torch.int32))  # kept with each example's fingerprint
         split = "heldout" if position in heldout else "train"
+        if split == "train" and budget is not None and enc.num_tokens > budget:
+            raise examples[position].error(
+                f"{enc.num_tokens} tokens do not fit a packed micro batch of train.max_tokens = {budget}: "
+                f"raise train.max_tokens, or set data.max_length to at most {budget} to truncate such examples"
+            )
         counts["examples"] += 1
         counts[f"{split}_tokens"] += enc.num_tokens
         if split == "train":

@@ -20,14 +20,18 @@ from pipeline.threads import fit_threads_to_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
+def model_config(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
+    """The checkpoint's transformers config (an adapter's: its θ0's)."""
+    model = adapter_base(name_or_path) if is_adapter(name_or_path) else name_or_path
+    return AutoConfig.from_pretrained(str(model), trust_remote_code=model_cfg.trust_remote_code)
+
+
 def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
     """The checkpoint's processor; a Qwen family's images sized within ``model.min_pixels`` and
     ``max_pixels``, a tiling family's (InternVL) as its own processor config says."""
-    remote = model_cfg.trust_remote_code
-    model = adapter_base(name_or_path) if is_adapter(name_or_path) else name_or_path  # an adapter: its θ0's
-    model_type = AutoConfig.from_pretrained(str(model), trust_remote_code=remote).model_type
+    model_type = model_config(name_or_path, model_cfg).model_type
     size = {"size": pixel_bounds(model_cfg)} if get_family(model_type, str(name_or_path)).pixel_bounds else {}
-    return AutoProcessor.from_pretrained(str(name_or_path), trust_remote_code=remote, **size)
+    return AutoProcessor.from_pretrained(str(name_or_path), trust_remote_code=model_cfg.trust_remote_code, **size)
 
 
 def reader_as_loaded(folder: str | Path) -> CheckpointReader:
@@ -55,9 +59,10 @@ def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:
     return DTYPES.get(name or "float32", torch.float32)
 
 
-def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
-    """``AutoModelForImageTextToText`` with the config's dtype and attention implementation; a
-    small model runs this thread single-threaded (``pipeline.threads.fit_threads_to_model``).
+def load_model(name_or_path: str | Path, model_cfg: ModelSection, attn_implementation: str | None = None) -> Any:
+    """``AutoModelForImageTextToText`` with the config's dtype and attention implementation (or
+    ``attn_implementation``: a branch's packed attention); a small model runs this thread
+    single-threaded (``pipeline.threads.fit_threads_to_model``).
 
     A local folder written by this project carries a manifest: it is verified first, so a
     corrupt or half-copied checkpoint fails here with the file named, not deep in a forward. A
@@ -69,7 +74,7 @@ def load_model(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
     model = AutoModelForImageTextToText.from_pretrained(
         adapter_base(adapter) if adapter else str(name_or_path),
         dtype=DTYPES[model_cfg.dtype],
-        attn_implementation=model_cfg.attn_implementation,
+        attn_implementation=attn_implementation or model_cfg.attn_implementation,
         trust_remote_code=model_cfg.trust_remote_code,
         use_kernels=model_cfg.use_kernels,
     )

@@ -15,23 +15,50 @@ supervised positions, with the token count beside it for exact token-weighted me
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.data.encode import IGNORE_INDEX
+from pipeline.models.families import get_family
 
 CHUNK = 1024  # positions per projection: 1024 × 151,936 fp32 logits = 0.6 GB
 
 
-def supervised_hidden(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder's last hidden states at the positions that predict a label, and those labels.
-    Position t predicts token t + 1, as in the model's own shifted loss."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
-    targets = batch["labels"][:, 1:].to(hidden.device)
-    keep = targets != IGNORE_INDEX
-    return hidden[keep], targets[keep]
+LOSS_INPUTS = ("labels", "loss_positions", "loss_targets")  # what the loss reads, never the model
+
+
+def supervised_hidden(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's last hidden states at the positions that predict a label, and those labels,
+    as the collators gathered them (``loss_positions`` into the flattened rows × length states,
+    ``loss_targets``): an index, so no boolean mask makes the host wait for the device."""
+    hidden = decoder_states(model, batch)
+    positions = batch["loss_positions"].to(hidden.device)
+    return hidden.flatten(0, 1).index_select(0, positions), batch["loss_targets"].to(hidden.device)
+
+
+def decoder_states(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The decoder's last hidden states of a batch, (rows, length, hidden)."""
+    inputs = {k: v for k, v in batch.items() if k not in LOSS_INPUTS}
+    if "pixel_values" in inputs:
+        inputs["mm_encoder_outputs"] = {"image": image_features(model, inputs)}
+    return model.model(**inputs, use_cache=False).last_hidden_state
+
+
+def image_features(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    """The vision tower's (and projector's) output for the batch's images, taking their pixels and
+    precomputed inputs out of ``inputs``; with no gradient when none of their parameters trains
+    (the shipped configs' frozen tower and projector: nothing of the step's backward reaches them)."""
+    vision = {k: inputs.pop(k) for k in list(inputs) if k == "pixel_values" or k.startswith("image_")}
+    if "image_grid_thw" in vision:  # the model's own 3-D positions read it too
+        inputs["image_grid_thw"] = vision["image_grid_thw"]
+    family = get_family(model.config.model_type)
+    parts = [model.get_submodule(path) for path in (family.vision, *family.projector)]
+    trains = any(p.requires_grad for part in parts for p in part.parameters())
+    with nullcontext() if trains else torch.no_grad():
+        return model.model.get_image_features(**vision, return_dict=True)
 
 
 def pieces_for(n: int, chunk: int = CHUNK) -> int:

@@ -26,6 +26,8 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import TrainSection
 from pipeline.models import load_model, load_processor
+from pipeline.models.attention import packed_attention, prepare_for_packing
+from pipeline.models.kernels import use_liger
 from pipeline.models.loading import checkpoint_dtype
 from pipeline.models.loss import SupervisedLoss
 from pipeline.train.lora import apply_lora, lora_summary
@@ -81,10 +83,11 @@ def deepspeed_config(t: TrainSection, world: int, dtype: torch.dtype) -> dict[st
     config = json.loads(Path(t.deepspeed).read_text())
     if config.get("bf16", {}).get("enabled") == "auto":
         config["bf16"]["enabled"] = dtype == torch.bfloat16
+    micro = 1 if t.packing else t.micro_batch  # a packed micro batch is one row
     return config | {
-        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch * t.grad_accum * world,
+        "train_batch_size": micro * t.grad_accum * world,
         "gradient_clipping": t.clip,
     }
 
@@ -102,9 +105,11 @@ def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
 
 
 def make_optimizer(model: torch.nn.Module, t: TrainSection) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the trainable parameters, linear warm-up then cosine decay (per optimizer step)."""
+    """AdamW over the trainable parameters, linear warm-up then cosine decay (per optimizer step);
+    torch's fused AdamW (one kernel over every tensor) unless ``train.fused_optimizer`` is off."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    fused = {"fused": True} if t.fused_optimizer else {}
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, **fused)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
 
 
@@ -122,12 +127,26 @@ class Engine:
         return self.scheduler.get_last_lr()[0]
 
 
+def load_for_training(spec: BranchSpec) -> Any:
+    """θ0 as the branch trains it: with the packed micro batches' attention and preparation, and
+    Liger's kernels where ``train.liger_kernel`` asks for them (rank 0 logs which)."""
+    packed = packed_attention(spec.train) if spec.train.packing else None
+    model = load_model(spec.init, spec.config.model, attn_implementation=packed)
+    if packed is not None:
+        prepare_for_packing(model)
+    liger = use_liger(spec.train, model)
+    if int(os.environ.get("RANK", 0)) == 0:
+        attention = model.config.get_text_config()._attn_implementation
+        print(f"branch {spec.name}: attention {attention}, Liger kernels {liger}", flush=True)
+    return model
+
+
 def build_engine(spec: BranchSpec, world: int) -> Engine:
     cfg = spec.config
     config = deepspeed_config(spec.train, world, checkpoint_dtype(cfg.model, spec.init))
     zero3 = HfDeepSpeedConfig(config) if config.get("zero_optimization", {}).get("stage") == 3 else None
     with experts_transposed_by_full_shape() if zero3 is not None else nullcontext():
-        model = load_model(spec.init, cfg.model)
+        model = load_for_training(spec)
     if zero3 is not None:
         # transformers' ZeRO-3 loader keeps every key conversion of the model's mapping, used or
         # not, and an unused prefix change then renames the saved keys (model.model.*): saving

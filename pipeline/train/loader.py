@@ -1,11 +1,12 @@
 """Step batches, encoded ahead of the step that trains on them.
 
-One item is one optimizer step of one rank: its micro batches, encoded and collated, with their
-token counts. A ``DataLoader`` over step numbers runs the encoding (the image processor, most of
-the cost) in ``train.loader_workers`` processes, ``PREFETCH`` steps ahead, so the rank only
-waits for the encoder when the encoder is slower than the step; the wait is measured and logged
-(``data_wait_s`` in ``metrics.jsonl``). The batches are a function of the step alone
-(``BatchOrder``), so a resumed run simply starts the loader at its step.
+One item is one optimizer step of one rank: its micro batches, encoded and collated (packed rows,
+or padded batches), with their token, example and position counts. A ``DataLoader`` over step
+numbers runs the encoding (the image processor, most of the cost) and the packing (positions,
+boundaries, supervised indices) in ``train.loader_workers`` processes, ``PREFETCH`` steps ahead, so
+the rank only waits for the encoder when the encoder is slower than the step; the wait is measured
+and logged (``data_wait_s`` in ``metrics.jsonl``). The batches are a function of the step alone
+(``PackOrder``, ``BatchOrder``), so a resumed run simply starts the loader at its step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from PIL import Image
@@ -28,13 +30,15 @@ PREFETCH = 2  # steps each worker keeps ready
 @dataclass
 class StepBatch:
     step: int
-    micro: list[dict[str, torch.Tensor]]  # collated micro batches of this rank
-    tokens: int  # input tokens of this rank's micro batches (padding excluded)
+    micro: list[dict[str, Any]]  # collated micro batches of this rank
+    tokens: int  # input tokens of this rank's examples (padding and filler excluded)
     supervised: list[int]  # tokens that carry a label, per micro batch
+    examples: int  # this rank's examples
+    positions: int  # positions the model runs: tokens, padding and filler
 
     def pin_memory(self) -> StepBatch:  # called by the DataLoader's pinning thread on GPUs
-        pinned = [{k: v.pin_memory() for k, v in m.items()} for m in self.micro]
-        return StepBatch(self.step, pinned, self.tokens, self.supervised)
+        pinned = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in self.micro]
+        return replace(self, micro=pinned)
 
 
 class StepBatches(torch.utils.data.Dataset):
@@ -53,19 +57,20 @@ class StepBatches(torch.utils.data.Dataset):
         return self.train.steps
 
     def __getitem__(self, step: int) -> StepBatch:
-        t = self.train
-        micro, tokens, supervised = [], 0, []
-        for examples in self.data.micro_batches(step, t.micro_batch, t.grad_accum, self.rank, self.world):
-            encoded = self.data.encoder.encode_batch(examples)
+        micro, tokens, supervised, examples, positions = [], 0, [], 0, 0
+        for group in self.data.micro_batches(step, self.rank, self.world):
+            encoded = self.data.encoder.encode_batch(group)
             tokens += sum(e.num_tokens for e in encoded)
-            supervised.append(sum(e.num_supervised for e in encoded))
+            examples += len(encoded)
             if self.filler is not None and all(e.pixel_values is None for e in encoded):
                 encoded.append(self.filler)
             batch = self.data.collator(encoded)
+            supervised.append(len(batch["loss_positions"]))
+            positions += batch["input_ids"].numel()
             if "pixel_values" in batch:
                 batch["pixel_values"] = batch["pixel_values"].to(self.pixel_dtype)
             micro.append(batch)
-        return StepBatch(step, micro, tokens, supervised)
+        return StepBatch(step, micro, tokens, supervised, examples, positions)
 
 
 def step_batches(batches: StepBatches, start: int, pin_memory: bool) -> Iterator[StepBatch]:

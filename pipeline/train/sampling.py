@@ -1,5 +1,6 @@
 """The data order: a pure function of (seed, step), so a resumed run sees exactly the batches
-an uninterrupted one would have, with no sampler state to checkpoint."""
+an uninterrupted one would have, with no sampler state to checkpoint. Packed micro batches
+(``pipeline.train.packing``) by default; padded ones of a fixed number of examples here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import TrainSection
 from pipeline.data import Collator, Encoder, Example, load_split
+from pipeline.data.packed import PackedCollator
+from pipeline.models.loading import model_config
+from pipeline.train.packing import PackOrder
 
 
 class BatchOrder:
@@ -42,31 +47,36 @@ class BatchOrder:
 
 @dataclass
 class BranchData:
-    """A branch's training examples (flat, in ``spec.sources`` order), their order, and the
+    """A branch's training examples (flat, in ``spec.sources`` order), their order (packed micro
+    batches of ``train.max_tokens``, or padded ones of ``train.micro_batch`` examples), and the
     encoder and collator that turn them into batches."""
 
     examples: list[Example]
-    order: BatchOrder
+    order: BatchOrder | PackOrder
     encoder: Encoder
-    collator: Collator
+    collator: Collator | PackedCollator
+    train: TrainSection
 
     @classmethod
     def for_branch(cls, spec: Any, processor: Any) -> BranchData:
-        cfg = spec.config
+        cfg, t = spec.config, spec.train
         by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
         examples = [ex for name in spec.sources for ex in by_source[name]]
         if spec.shard:
             examples = examples[spec.shard[0] :: spec.shard[1]]
-        return cls(
-            examples,
-            BatchOrder(len(examples), cfg.run.seed),
-            Encoder(processor, cfg.data.max_length),
-            Collator(processor.tokenizer.pad_token_id),
-        )
+        if t.packing:
+            lengths = np.array([len(ex.token_ids) for ex in examples], dtype=np.int64)
+            order = PackOrder(lengths, t.max_tokens, t.packing_window, cfg.run.seed)
+            collator = PackedCollator(model_config(spec.init, cfg.model))
+        else:
+            order, collator = BatchOrder(len(examples), cfg.run.seed), Collator(processor.tokenizer.pad_token_id)
+        return cls(examples, order, Encoder(processor, cfg.data.max_length), collator, t)
 
-    def micro_batches(
-        self, step: int, micro_batch: int, grad_accum: int, rank: int = 0, world: int = 1
-    ) -> list[list[Example]]:
+    def micro_batches(self, step: int, rank: int = 0, world: int = 1) -> list[list[Example]]:
         """This rank's micro batches of ``step``, as examples."""
-        batches = self.order.rank_batches(step, micro_batch, grad_accum, rank, world)
+        t = self.train
+        if isinstance(self.order, PackOrder):
+            batches = self.order.rank_batches(step, t.grad_accum, rank, world)
+        else:
+            batches = self.order.rank_batches(step, t.micro_batch, t.grad_accum, rank, world)
         return [[self.examples[i] for i in ids.tolist()] for ids in batches]

@@ -6,17 +6,19 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from pipeline.checkpoint import MANIFEST, CheckpointError, checkpoint_id, verify_checkpoint, write_text_atomic
 from pipeline.config import RunConfig, TrainSection
-from pipeline.data.manifest import active_sources, read_manifest
+from pipeline.data.manifest import active_sources, read_manifest, train_lengths
 from pipeline.hub import ModelNotFoundError, check_model_folder
+from pipeline.train.packing import PackOrder
 
 # Settings that change no number the branch computes: they may differ on a resumed run. ``epochs``
 # is in the digest as the steps it was turned into (a warm-up of fixed steps is the same whatever
 # the branches' epochs).
-NOT_IN_DIGEST = {"timeout_s", "checkpoint_every", "loader_workers", "gradient_checkpointing", "epochs"}
+NOT_IN_DIGEST = {"timeout_s", "checkpoint_every", "loader_workers", "gradient_checkpointing", "epochs", "profile_steps"}
 
 
 class BranchSpec(BaseModel):
@@ -35,7 +37,7 @@ class BranchSpec(BaseModel):
         """Turn ``train.epochs`` into optimizer steps once, from the prepared data: the step count
         is then part of the spec (and its digest), so every rank and every resumed run agree."""
         if self.train.steps is None:
-            steps = self.train.steps_for(self.examples())
+            steps = self.train.steps_for(self.micro_batches() if self.train.packing else self.examples())
             train = self.train.model_copy(update={"steps": steps})
             self.config = self.config.model_copy(update={"train": train})
         return self
@@ -49,6 +51,17 @@ class BranchSpec(BaseModel):
         known = active_sources(read_manifest(self.run_dir), role=None)  # any role: the warm-up may train on its own
         total = sum(known[s]["train_examples"] for s in self.sources if s in known)
         return len(range(self.shard[0], total, self.shard[1])) if self.shard else total
+
+    def lengths(self) -> np.ndarray:
+        """The token counts of the branch's training examples, in the order it trains on them."""
+        by_source = train_lengths(self.run_dir, self.sources)
+        lengths = np.concatenate([by_source[s] for s in self.sources])
+        return lengths[self.shard[0] :: self.shard[1]] if self.shard else lengths
+
+    def micro_batches(self) -> int:
+        """Packed micro batches in an epoch of the branch's data."""
+        t = self.train
+        return PackOrder(self.lengths(), t.max_tokens, t.packing_window, self.config.run.seed).per_epoch()
 
     def digest(self) -> str:
         """What the branch's weights depend on: θ0's identity, the sources and every setting that
@@ -94,6 +107,20 @@ class BranchSpec(BaseModel):
             raise ValueError(f"branch {self.name}: {why}") from None
         if not Path(self.train.deepspeed).is_file():
             raise ValueError(f"branch {self.name}: DeepSpeed config {self.train.deepspeed} not found")
+        if self.train.packing:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """Every training example fits a packed micro batch (``merit prepare`` refuses one that does
+        not, naming it; a later, smaller ``train.max_tokens`` is caught here, before launching)."""
+        budget = self.train.max_tokens
+        for source, lengths in train_lengths(self.run_dir, self.sources).items():
+            if len(over := np.flatnonzero(lengths > budget)):
+                raise ValueError(
+                    f"branch {self.name}: source '{source}' has {len(over)} training example(s) over "
+                    f"train.max_tokens = {budget} (the first, training example {int(over[0])}: "
+                    f"{int(lengths[over[0]])} tokens); raise train.max_tokens or lower data.max_length"
+                )
 
     def save(self, path: Path) -> Path:
         write_text_atomic(path, self.model_dump_json(indent=2))

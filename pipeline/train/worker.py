@@ -27,6 +27,7 @@ from pipeline.train.engine import Engine, Rank, build_engine, init_distributed
 from pipeline.train.lifetime import die_with_parent
 from pipeline.train.loader import StepBatch, StepBatches, step_batches
 from pipeline.train.metrics import MetricsLog
+from pipeline.train.profile import StepProfiler
 from pipeline.train.sampling import BranchData
 from pipeline.train.spec import BranchSpec
 
@@ -34,27 +35,32 @@ from pipeline.train.spec import BranchSpec
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
-def train_step(engine: Engine, batch: StepBatch, device: torch.device, chunk: int) -> tuple[float, int, int]:
-    """One optimizer step; returns the step's loss and the tokens and examples it trained on (all ranks)."""
+def train_step(engine: Engine, batch: StepBatch, device: torch.device, chunk: int) -> tuple[float, int, int, int]:
+    """One optimizer step; returns the step's loss and the tokens, examples and positions it ran
+    (all ranks). The host waits for the device once, after the step's last kernel is queued."""
     world, accum = dist.get_world_size(), len(batch.micro)
-    counts = torch.tensor([sum(batch.supervised), batch.tokens, 0.0], dtype=torch.float64, device=device)
+    counts = [sum(batch.supervised), batch.tokens, batch.examples, batch.positions, 0.0]
+    counts = torch.tensor(counts, dtype=torch.float64, device=device)
     dist.all_reduce(counts)
-    # Every rank projects each micro batch's answers in as many parts as the rank that has the
-    # most: under ZeRO-3 each projection gathers the head's weights collectively (loss.py).
-    pieces = torch.tensor([pieces_for(n, chunk) for n in batch.supervised], device=device)
-    if world > 1:
-        dist.all_reduce(pieces, op=dist.ReduceOp.MAX)
+    pieces = [pieces_for(n, chunk) for n in batch.supervised]
+    if engine.zero3 is not None and world > 1:
+        # Every rank projects each micro batch's answers in as many parts as the rank that has the
+        # most: under ZeRO-3 each projection gathers the head's weights collectively (loss.py).
+        most = torch.tensor(pieces, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        pieces = most.tolist()
     # DeepSpeed averages gradients over micro batches and ranks: undo that, and divide by the
     # step's supervised tokens instead (the same gradient as one batch of the step's examples).
-    scale = world * accum / max(counts[0].item(), 1.0)
-    for micro, n in zip(batch.micro, pieces.tolist()):
-        nll, _ = engine.engine(pieces=n, **{k: v.to(device, non_blocking=True) for k, v in micro.items()})
+    scale = (world * accum / counts[0].clamp(min=1.0)).float()
+    for micro, n in zip(batch.micro, pieces):
+        inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro.items()}
+        nll, _ = engine.engine(pieces=n, **inputs)
         engine.engine.backward(nll * scale)
         engine.engine.step()
-        counts[2] += nll.detach().double()
-    dist.all_reduce(counts[2:])
-    examples = engine.engine.train_batch_size()
-    return counts[2].item() / max(counts[0].item(), 1.0), int(counts[1].item()), examples
+        counts[4] += nll.detach().double()
+    dist.all_reduce(counts[4:])
+    supervised, tokens, examples, positions, nll = counts.tolist()
+    return nll / max(supervised, 1.0), int(tokens), int(examples), int(positions)
 
 
 @dataclass
@@ -91,7 +97,7 @@ class Branch:
         start, lr = time.perf_counter(), self.engine.lr  # the lr this step trains with
         batch = next(self.batches)
         waited = time.perf_counter() - start
-        loss, tokens, examples = train_step(self.engine, batch, self.rank.device, self.spec.train.loss_chunk)
+        loss, tokens, examples, positions = train_step(self.engine, batch, self.rank.device, self.spec.train.loss_chunk)
         seconds = time.perf_counter() - start
         self.state = state = replace(
             state,
@@ -109,7 +115,9 @@ class Branch:
                 "tokens": state.tokens_seen,
                 "examples": state.examples_seen,
                 "tokens_per_s": tokens / seconds,
+                "compute_tokens_per_s": tokens / (seconds - waited),  # the data wait left out
                 "data_wait_s": round(waited, 4),
+                "positions": positions,  # tokens, padding and filler the model ran, all ranks
                 "grad_norm": None if norm is None else float(norm),
                 "elapsed_s": round(state.elapsed_s, 3),
                 "threads": torch.get_num_threads(),  # the rank's share of the CPUs (pipeline.threads)
@@ -121,9 +129,12 @@ def main(spec_path: str) -> None:
     die_with_parent()  # a killed launcher takes its ranks with it
     branch = Branch.start(BranchSpec.load(spec_path))
     spec, checkpointer = branch.spec, branch.checkpointer
+    steps = spec.train.profile_steps if branch.rank.rank == 0 else 0
+    profiler = StepProfiler(spec.out_dir, steps, branch.state.step)
     try:
         while branch.state.step < spec.train.steps:
-            branch.step()
+            with profiler.step(branch.state.step):
+                branch.step()
             if checkpointer.due(branch.state):
                 checkpointer.save(branch.state)
                 branch.metrics.flush()

@@ -51,6 +51,12 @@ class Family:
     stored_as: tuple[tuple[str, str], ...] = ()
     # Fused expert tensors (experts, out, in) on disk: a per-matrix method merges each expert alone.
     stacked_experts: tuple[str, ...] = ()
+    # Packed micro batches (pipeline.data.packed): the transformers class whose ``get_rope_index``
+    # gives an example's 3-D (t, h, w) positions, None for 1-D positions; the vision tower's inputs
+    # that depend on the images' grids alone (vision config, grid_thw) -> kwargs, computed by the
+    # loader's workers instead of inside the step.
+    rope_index: str | None = None
+    vision_inputs: Callable[[Any, Any], dict[str, Any]] | None = None
 
     @property
     def routers(self) -> tuple[str, ...]:

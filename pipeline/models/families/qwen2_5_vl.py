@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.shapes import mrope_sections, pixel_bounds, text_widths
+from pipeline.models.families.shapes import grid_positions, mrope_sections, pixel_bounds, text_widths, vision_seqlens
 
 
 def tiny_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
@@ -58,6 +58,22 @@ def tiny_processor(model_cfg: Any, tokenizer: Any, chat_template: str) -> Any:
     )
 
 
+def vision_inputs(vision: Any, grid: Any) -> dict[str, Any]:
+    """The windows of the vision tower's windowed blocks (a Python loop over images and windows in
+    transformers) beside each image's sequence and patch positions."""
+    from transformers.vision_utils import get_vision_window_index
+
+    window_index, cu_window = get_vision_window_index(
+        grid, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size, patch_size=vision.patch_size
+    )
+    windows = {
+        "window_index": window_index,
+        "cu_window_seqlens": cu_window,
+        "max_window_seqlen": int((cu_window[1:] - cu_window[:-1]).max()),
+    }
+    return vision_seqlens(grid) | grid_positions(vision, grid) | windows
+
+
 QWEN2_5_VL = register(
     Family(
         model_type="qwen2_5_vl",
@@ -77,5 +93,7 @@ QWEN2_5_VL = register(
         tiny_config=tiny_config,
         tiny_processor=tiny_processor,
         chat_template="qwen_vl_chat_template.jinja",
+        rope_index="Qwen2_5_VLModel",
+        vision_inputs=vision_inputs,
     )
 )

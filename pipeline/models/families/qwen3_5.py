@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.qwen3_vl import GROUPS, LM, composite, text_config, tiny_processor
+from pipeline.models.families.qwen3_vl import GROUPS, LM, composite, text_config, tiny_processor, vision_inputs
 from pipeline.models.families.qwen3_vl import vision_config as qwen3_vl_vision
 from pipeline.models.families.shapes import mrope_sections
 
@@ -71,7 +71,12 @@ COMMON = {
     "lmms_adapted": "merit_qwen3_vl",
     "tiny_processor": tiny_processor,
     "chat_template": "qwen_vl_chat_template.jinja",
+    "vision_inputs": vision_inputs,
 }
 
-QWEN3_5 = register(Family(model_type="qwen3_5", groups=QWEN3_5_GROUPS, tiny_config=dense_config, **COMMON))
-QWEN3_5_MOE = register(Family(model_type="qwen3_5_moe", groups=MOE_GROUPS, tiny_config=moe_config, **COMMON))
+QWEN3_5 = register(
+    Family(model_type="qwen3_5", groups=QWEN3_5_GROUPS, tiny_config=dense_config, rope_index="Qwen3_5Model", **COMMON)
+)
+QWEN3_5_MOE = register(
+    Family(model_type="qwen3_5_moe", groups=MOE_GROUPS, tiny_config=moe_config, rope_index="Qwen3_5MoeModel", **COMMON)
+)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.models.families import Family, register
-from pipeline.models.families.shapes import mrope_sections, pixel_bounds, text_widths
+from pipeline.models.families.shapes import grid_positions, mrope_sections, pixel_bounds, text_widths, vision_seqlens
 
 PATCH = 16  # pixels per vision patch side (Qwen2.5-VL: 14); 2 × 2 patches make one token
 
@@ -96,6 +96,12 @@ def tiny_processor(model_cfg: Any, tokenizer: Any, chat_template: str) -> Any:
     )
 
 
+def vision_inputs(vision: Any, grid: Any) -> dict[str, Any]:
+    """Each image's sequence and patch positions (its position-embedding interpolation is
+    vectorised in transformers, and left to the step)."""
+    return vision_seqlens(grid) | grid_positions(vision, grid)
+
+
 LM = "model.language_model"
 GROUPS = {
     "embeddings": (f"{LM}.embed_tokens.*",),
@@ -126,14 +132,18 @@ COMMON = {
     # system turn, as lmms-eval's qwen3_vl prompts every question (Qwen3-VL's own template adds none):
     # the tiny model's training and benchmark prompts then agree.
     "chat_template": "qwen_vl_chat_template.jinja",
+    "vision_inputs": vision_inputs,
 }
 
-QWEN3_VL = register(Family(model_type="qwen3_vl", groups=GROUPS, tiny_config=dense_config, **COMMON))
+QWEN3_VL = register(
+    Family(model_type="qwen3_vl", groups=GROUPS, tiny_config=dense_config, rope_index="Qwen3VLModel", **COMMON)
+)
 QWEN3_VL_MOE = register(
     Family(
         model_type="qwen3_vl_moe",
         groups=MOE_GROUPS,
         tiny_config=moe_config,
+        rope_index="Qwen3VLMoeModel",
         stacked_experts=(f"{LM}.layers.*.mlp.experts.gate_up_proj", f"{LM}.layers.*.mlp.experts.down_proj"),
         **COMMON,
     )

@@ -27,3 +27,19 @@ def text_widths(tiny: Any, vocab_size: int) -> dict[str, int]:
         "num_attention_heads": tiny.num_heads,
         "num_key_value_heads": tiny.num_kv_heads,
     }
+
+
+def vision_seqlens(grid: Any) -> dict[str, Any]:
+    """Each image's patches as one attention sequence (cu_seqlens and the longest), as a Qwen vision
+    tower computes them from ``grid_thw``."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    cu_seqlens = get_vision_cu_seqlens(grid)
+    return {"cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
+
+
+def grid_positions(vision: Any, grid: Any) -> dict[str, Any]:
+    """The (h, w) positions of every patch, for a Qwen vision tower's rotary embedding."""
+    from transformers.vision_utils import get_vision_position_ids
+
+    return {"position_ids": get_vision_position_ids(grid, vision.spatial_merge_size)}
