@@ -7,7 +7,9 @@ encoded by ``train.loader_workers`` processes ahead of the step) against a train
 lasts as long as a real model's: ``--like configs/qwen2_5_vl_3b.yaml`` takes that config's image
 sizes, batch and loader workers, and a step lasts its FLOPs, 6 · N · tokens, at ``--mfu`` of
 ``--peak-tflops`` (a GPU step leaves the CPU to the encoders, so it is slept here). The figure
-that matters is how long the rank waits for its next batch once the pipeline has filled.
+that matters is how long the rank waits for its next batch once the pipeline has filled. Last,
+``--pack N`` times the first-fit packer over an epoch of N examples of the prepared corpus's
+lengths (default a million) at the config's token budget.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from merit.cli import add_run_options, resolve_run
@@ -28,6 +31,7 @@ from pipeline.models import build_tiny_model, processor_for
 from pipeline.models.loading import DTYPES
 from pipeline.train import BranchSpec
 from pipeline.train.loader import StepBatches, step_batches
+from pipeline.train.packing import PackOrder
 from pipeline.train.plan import all_sources
 from pipeline.train.sampling import BranchData
 
@@ -66,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-params", type=float, default=3.75e9, help="parameters of the simulated model")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the simulated step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the simulated device's peak")
+    parser.add_argument(
+        "--pack", type=int, default=10**6, metavar="N", help="examples in the packed epoch timed (0: none)"
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -112,6 +119,23 @@ def main(args: argparse.Namespace) -> None:
     print(f"tiny model training step:                {training:8.0f} examples/s  (AdamW, {threads} threads)")
     print(f"encoding / training:                     {max(cached, parallel) / training:8.1f}x  (target >= 10x)")
     _step_loader(cfg, run_dir, processor, args)
+    if args.pack:
+        _packing(cfg, [len(ex.token_ids) for exs in train.values() for ex in exs], args.pack)
+
+
+def _packing(cfg: RunConfig, lengths: list[int], n: int) -> None:
+    """How long the first-fit packer takes over an epoch of ``n`` examples, their lengths drawn
+    (seeded, with replacement) from the prepared training examples', and how full it packs them."""
+    drawn = np.random.default_rng(0).choice(np.array(lengths), size=n)
+    t = cfg.train
+    start = time.perf_counter()
+    packs = PackOrder(drawn, t.max_tokens, t.packing_window, cfg.run.seed).epoch(0)
+    seconds = time.perf_counter() - start
+    print(
+        f"packing an epoch of {n:,} examples ({np.median(drawn):.0f} tokens at the median) into micro batches of "
+        f"{t.max_tokens:,} tokens, windows of {t.packing_window:,}: {seconds:.2f} s, {len(packs):,} micro batches, "
+        f"{100 * drawn.sum() / (t.max_tokens * len(packs)):.1f} % of their budget filled"
+    )
 
 
 def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -> None:

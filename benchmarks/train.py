@@ -38,6 +38,8 @@ from benchmarks.corpus import write_corpus
 from benchmarks.data import like
 from benchmarks.widths import build_theta0, width_overrides
 from merit.cli import add_run_options, resolve_run
+from pipeline.checkpoint import is_complete
+from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig
 from pipeline.data import active_sources, load_split, prepare_data, read_manifest
 from pipeline.layout import base_path, bench_dir, run_config
@@ -206,7 +208,9 @@ def main(args: argparse.Namespace) -> None:
     if size == "tiny":
         init_model(cfg, run_dir)
     else:
-        build_theta0(cfg, run_dir, args.device)
+        built = Path(base_path(cfg, run_dir))
+        if not is_complete(built) or read_checkpoint_manifest(built).get("config_digest") != cfg.digest("model", "run"):
+            build_theta0(cfg, run_dir, args.device)  # else the same random θ0 as the last measurement
     processor = processor_for(cfg, run_dir)
     prepare_data(cfg, run_dir, processor)
     sources = list(active_sources(read_manifest(run_dir)))

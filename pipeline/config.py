@@ -238,11 +238,11 @@ class TrainSection(Section):
     packing_window: int = Field(1024, ge=1)  # examples packed together; the packs keep their order
     micro_batch: int = Field(8, ge=1)  # per process, padded batches only (packing: false)
     grad_accum: int = Field(1, ge=1)
-    # The attention of packed micro batches: varlen (torch's variable-length flash attention, each
-    # example its own sequence; CUDA), sdpa (a dense block-diagonal mask), flex_attention (a block-
-    # sparse mask), flash_attention_4 (the flash-attn-4 package, where installed); auto: varlen on a
-    # GPU, sdpa on the CPU. Padded batches use model.attn_implementation.
-    packed_attention: Literal["auto", "varlen", "sdpa", "flex_attention", "flash_attention_4"] = "auto"
+    # The attention of packed micro batches: varlen (each example its own sequence: torch's
+    # variable-length flash attention on a GPU, SDPA an example at a time on the CPU), sdpa (a dense
+    # block-diagonal mask), flex_attention (a block-sparse mask), flash_attention_4 (the flash-attn-4
+    # package, where installed). Padded batches use model.attn_implementation.
+    packed_attention: Literal["varlen", "sdpa", "flex_attention", "flash_attention_4"] = "varlen"
     # Liger's fused Triton kernels (liger-kernel from PyPI: RMSNorm, SwiGLU, (m)RoPE) patched into
     # the model; auto: on a GPU for the families Liger supports. Never the Hub's kernels.
     liger_kernel: bool | Literal["auto"] = "auto"

@@ -113,13 +113,10 @@ def _per_sequence(forward):
 
 def packed_attention(train: Any) -> str:
     """The attention implementation a branch loads its model with for packed micro batches."""
-    choice = train.packed_attention
-    if choice == "auto":
-        choice = "varlen" if torch.cuda.is_available() else "sdpa"
-    if choice == "varlen":
+    if train.packed_attention == "varlen":
         _register()
         return VARLEN
-    return choice
+    return train.packed_attention
 
 
 def prepare_for_packing(model: torch.nn.Module) -> None:
