@@ -27,7 +27,7 @@ from merit.cli import add_run_options, resolve_run
 from pipeline.config import RunConfig, load_config
 from pipeline.data import Collator, EncodedDataset, Encoder, load_split, prepare_data
 from pipeline.layout import base_path, bench_dir
-from pipeline.models import build_tiny_model, processor_for
+from pipeline.models import build_tiny_model, init_model, processor_for
 from pipeline.models.loading import DTYPES
 from pipeline.train import BranchSpec
 from pipeline.train.loader import StepBatches, step_batches
@@ -83,6 +83,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(
             "merit bench data compares against the tiny model's training rate: use model.name_or_path=tiny"
         )
+    init_model(cfg, run_dir)  # the step loader's packed rows read θ0's config
     processor = processor_for(cfg, run_dir)
     prepare_data(cfg, run_dir, processor)
     train = load_split(cfg, run_dir, "train")
@@ -161,8 +162,9 @@ def _step_loader(cfg: RunConfig, run_dir, processor, args: argparse.Namespace) -
         step_s = args.step_seconds or 6 * args.model_params * tokens / (args.mfu * args.peak_tflops * 1e12)
         time.sleep(step_s)
     sides = math.isqrt(cfg.model.min_pixels), math.isqrt(cfg.model.max_pixels)
+    batch = f"packed micro batches of {t.max_tokens:,} tokens" if t.packing else f"micro batch {t.micro_batch}"
     print(
-        f"step loader: micro batch {t.micro_batch} x {t.grad_accum}, {t.loader_workers} workers, "
+        f"step loader: {batch} x {t.grad_accum}, {t.loader_workers} workers, "
         f"images {cfg.data.builtin.image_size} px drawn ({sides[0]}-{sides[1]} px kept), {tokens} tokens a step"
     )
     rate = f"{args.model_params / 1e9:.2f} B parameters at {100 * args.mfu:.0f} % MFU of {args.peak_tflops:.0f} TFLOP/s"
