@@ -5,7 +5,7 @@ flow); nothing under ``pipeline/`` imports them. Dated results: ``docs/benchmark
 BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module benchmarks.<name>
     "data": "encoding rate vs the tiny model's training rate",
     "merge": "merge throughput per method beside the streaming floor",
-    "train": "branch trainer vs a plain PyTorch loop; 1 vs 2 ranks",
+    "train": "branch trainer: tokens/s, padding, MFU, memory, a profile; packed vs padded; 1 vs 2 ranks",
     "memory": "peak memory of every stage at a width, K = 2, 4, 8",
     "load": "each stage's time unloaded and beside busy processes",
     "isoc": "Iso-C: exact SVD vs Newton-Schulz, time and error",

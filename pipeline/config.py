@@ -235,18 +235,19 @@ class TrainSection(Section):
     # ``micro_batch`` examples padded to the longest.
     packing: bool = True
     max_tokens: int = Field(16384, ge=16)  # per packed micro batch
-    packing_window: int = Field(1024, ge=1)  # examples packed together; the packs keep their order
+    packing_window: int = Field(1024, ge=1)  # examples packed first-fit together (micro batches in opening order)
     micro_batch: int = Field(8, ge=1)  # per process, padded batches only (packing: false)
-    grad_accum: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)  # micro batches a rank accumulates per optimizer step
     # The attention of packed micro batches: varlen (each example its own sequence: torch's
     # variable-length flash attention on a GPU, SDPA an example at a time on the CPU), sdpa (a dense
     # block-diagonal mask), flex_attention (a block-sparse mask), flash_attention_4 (the flash-attn-4
     # package, where installed). Padded batches use model.attn_implementation.
     packed_attention: Literal["varlen", "sdpa", "flex_attention", "flash_attention_4"] = "varlen"
-    # Liger's fused Triton kernels (liger-kernel from PyPI: RMSNorm, SwiGLU, (m)RoPE) patched into
-    # the model; auto: on a GPU for the families Liger supports. Never the Hub's kernels.
+    # Liger's fused Triton kernels (the liger-kernel package: RMSNorm, SwiGLU, (m)RoPE) patched into
+    # the model: auto on a GPU where Liger's patch for the family imports (train.log says), true or
+    # refuse to train, false. Never transformers' Hub kernels.
     liger_kernel: bool | Literal["auto"] = "auto"
-    fused_optimizer: bool = True  # torch's fused AdamW (one kernel for every tensor), else its foreach one
+    fused_optimizer: bool = True  # torch's fused AdamW (one kernel for every tensor), else its default
     lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)
