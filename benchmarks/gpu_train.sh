@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The branch trainer's GPU figures in one go, on one GPU: `merit bench train --device cuda --size 3b`
 # with the shipped 3B config's packed batches (and a profile of 5 steps), then padded batches, the
-# generated Vision-FLAN-shaped corpus packed and padded, the other attentions of packed batches,
-# and each fused kernel off in turn. Every run's JSON line goes to $OUT/lines.jsonl, its output to
+# generated Vision-FLAN-shaped corpus packed and padded, the dense block mask (sdpa) for packed
+# rows, and each fused kernel off in turn (transformers has no FlexAttention for Qwen2.5-VL). Every run's JSON line goes to $OUT/lines.jsonl, its output to
 # $OUT/<name>.log, the profile to $OUT/profile.md. Runs in that order until $BUDGET_S seconds have
 # passed (default: all of them); STEPS sets the steps of each (default 20).
 set -uo pipefail
@@ -33,6 +33,5 @@ bench padded --set train.packing=false
 bench vision-flan --corpus vision-flan
 bench vision-flan-padded --corpus vision-flan --set train.packing=false
 bench packed-sdpa --set train.packed_attention=sdpa
-bench packed-flex --set train.packed_attention=flex_attention
 bench foreach-adamw --set train.fused_optimizer=false
 bench no-liger --set train.liger_kernel=false

@@ -240,8 +240,9 @@ class TrainSection(Section):
     grad_accum: int = Field(1, ge=1)  # micro batches a rank accumulates per optimizer step
     # The attention of packed micro batches: varlen (each example its own sequence: torch's
     # variable-length flash attention on a GPU, SDPA an example at a time on the CPU), sdpa (a dense
-    # block-diagonal mask), flex_attention (a block-sparse mask), flash_attention_4 (the flash-attn-4
-    # package, where installed). Padded batches use model.attn_implementation.
+    # block-diagonal mask), flex_attention (a block-sparse mask; transformers 5.25 supports it for
+    # Qwen3-VL-MoE and InternVL only), flash_attention_4 (the flash-attn-4 package, where installed).
+    # Padded batches use model.attn_implementation.
     packed_attention: Literal["varlen", "sdpa", "flex_attention", "flash_attention_4"] = "varlen"
     # Liger's fused Triton kernels (the liger-kernel package: RMSNorm, SwiGLU, (m)RoPE) patched into
     # the model: auto on a GPU where Liger's patch for the family imports (train.log says), true or
@@ -293,6 +294,12 @@ class TrainSection(Section):
     def global_batch(self) -> int:
         """Micro batches a step trains on, over all ranks: packed rows, or padded batches' examples."""
         return (1 if self.packing else self.micro_batch) * self.grad_accum * self.processes
+
+    def batch_text(self) -> str:
+        """A step's batch over all ranks, in words."""
+        if self.packing:
+            return f"{self.global_batch()} packed micro batches of at most {self.max_tokens:,} tokens"
+        return f"{self.global_batch()} examples"
 
     def steps_for(self, items: int) -> int:
         """Optimizer steps of this budget over ``items`` per epoch: packed micro batches, or

@@ -145,9 +145,15 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
         raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
     if here and cfg.train.liger_kernel is True and (reason := liger_unavailable()):
         raise ConfigError(f"train.liger_kernel is true, but {reason}")
-    if cfg.train.packing and cfg.train.packed_attention == "flash_attention_4" and not find_spec("flash_attn"):
+    attention = cfg.train.packed_attention if cfg.train.packing else None
+    if attention == "flash_attention_4" and not find_spec("flash_attn"):
         # transformers would fetch a Hub kernel instead, as the branch starts
         raise ConfigError("train.packed_attention is flash_attention_4, but the flash-attn-4 package is not installed")
+    if attention == "flex_attention" and not type(model := _meta_model(cfg, run_dir))._supports_flex_attn:
+        raise ConfigError(
+            f"train.packed_attention is flex_attention, which transformers does not support for "
+            f"{model.config.model_type}: use varlen or sdpa"
+        )
     return f"{gpus} GPU(s)" if gpus else "CPU only"
 
 

@@ -85,3 +85,19 @@ def test_unreadable_file_and_missing_file(tmp_path):
         load_sources(config(tmp_path / "bad.json").data, 0)
     with pytest.raises(DataError, match="file not found"):
         load_sources(config(tmp_path / "absent.json").data, 0)
+
+
+def test_an_example_longer_than_a_packed_micro_batch_is_refused_by_prepare_naming_it(tmp_path):
+    """Record 1's long answer does not fit train.max_tokens: prepare names it; with data.max_length
+    within the budget it is truncated instead, and counted."""
+    long = llava_record("a.png", answer=" ".join(["red"] * 200))
+    path = write_source(tmp_path, long)
+    spec = {"name": "src", "format": "llava", "path": str(path)}
+    tight = small_config(f"data.sources={json.dumps([spec])}", "train.max_tokens=128")
+    with pytest.raises(
+        DataError, match=r"data\.json record 1: \d+ tokens do not fit a packed micro batch of train.max_tokens = 128"
+    ):
+        prepare_data(tight, tmp_path / "run", processor_for(tight))
+    cut = tight.model_copy(update={"data": tight.data.model_copy(update={"max_length": 128})})
+    manifest = prepare_data(cut, tmp_path / "run", processor_for(cut))
+    assert manifest["sources"]["src"]["truncated"] == 1

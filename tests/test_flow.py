@@ -122,7 +122,13 @@ def test_the_flow_trains_merges_evaluates_and_reports(finished_run):
         assert manifest["parent"] == str(theta0) and manifest["sources"] == group and manifest["step"] == 16
     assert read_manifest(run_dir / "joint" / "final")["step"] == 32  # K x steps: the same budget
 
-    # MERIT's merge is the average of the branches weighted by their groups' training tokens.
+    # The branches trained on packed micro batches (every position a token of an example), and MERIT's
+    # merge of them is the average of the branches weighted by their groups' training tokens.
+    for k in range(2):
+        records = [json.loads(r) for r in (run_dir / "branches" / str(k) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["positions"] for r in records] == [
+            b["tokens"] - a for a, b in zip([0] + [r["tokens"] for r in records], records)
+        ]
     sources = json.loads((run_dir / "data" / "manifest.json").read_text())["sources"]
     tokens = torch.tensor([sum(sources[s]["train_tokens"] for s in g) for g in groups], dtype=torch.float64)
     w = tokens / tokens.sum()

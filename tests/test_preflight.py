@@ -99,6 +99,9 @@ def test_check_reports_every_late_failure_at_once(hf_home, tmp_path, capsys):
     fa4 = load_config(ROOT / "configs/demo.yaml", ["train.packed_attention=flash_attention_4"])
     with pytest.raises(PreflightError, match="flash_attention_4, but the flash-attn-4 package is not installed"):
         check_run(fa4, tmp_path / "run")
+    flex = load_config(ROOT / "configs/demo.yaml", ["train.packed_attention=flex_attention"])
+    with pytest.raises(PreflightError, match="flex_attention, which transformers does not support for qwen2_5_vl"):
+        check_run(flex, tmp_path / "run")
     liger = load_config(ROOT / "configs/demo.yaml", ["train.liger_kernel=on", "merge.device=cpu"])
     with pytest.raises(PreflightError, match="train.liger_kernel is true, but there is no GPU"):
         check_run(liger, tmp_path / "run")

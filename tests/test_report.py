@@ -35,7 +35,7 @@ LOSSES = {
 
 def write_base(run: Path) -> None:
     merges = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
-    save_config(load_config(None, [merges]), run / "config.yaml")
+    save_config(load_config(None, [merges, "train.packing=false"]), run / "config.yaml")  # steps from examples
     info = {
         "examples": 20,
         "train_examples": 18,
@@ -225,7 +225,7 @@ def test_full_report(full_run: Path):
     assert report["tables"]["branches"]["headers"][3:6] == ["data tokens (n_k)", "merge weight", "epochs"]
     row = ["branch-0", "branch", "captions, vqa", 5000, 0.5, round(24 / 36, 4), 3, 3000, 40.0, 1.5]
     assert report["tables"]["branches"]["rows"][1] == row
-    assert report["budget"] == {"epochs": 1.0, "global_batch": 8}
+    assert report["budget"] == {"epochs": 1.0, "global_batch": 8, "batch": "8 examples"}
     markdown = (full_run / "report" / "report.md").read_text()
     assert "Budget: 1 epoch(s) over each branch's own data, the joint baseline 1 epoch(s) over all of it" in markdown
     assert "n_k, the tokens of its group's training data: 0.500 / 0.500 (by the tokens each branch saw" in markdown

@@ -211,7 +211,12 @@ def derived_figures(**figures) -> Derived:
             "ties": {"weighting": "tokens", "weights": {"branch-0": 0.25, "branch-1": 0.75}},
             "eq": {"weighting": "equal", "weights": {"branch-0": 0.5, "branch-1": 0.5}},
         },
-        "budget": {"steps": 4, "joint_steps": 8, "global_batch": 2},
+        "budget": {
+            "steps": 4,
+            "joint_steps": 8,
+            "global_batch": 2,
+            "batch": "2 packed micro batches of at most 512 tokens",
+        },
         "tables": {
             "branches": {"headers": ["branch", "merge weight"], "rows": [["branch-0", 0.25], ["branch-1", 0.75]]}
         },
@@ -236,7 +241,8 @@ def test_render_writes_the_markdown_and_json_of_derived_figures(tmp_path: Path):
     )
     budget = next(line for line in md.splitlines() if line.startswith("Budget:"))
     assert budget == (
-        "Budget: 4 steps per branch, 8 for the joint baseline, global batch 2. Token-weighted merges weight branch k by"
+        "Budget: 4 steps per branch, 8 for the joint baseline, a step of 2 packed micro batches of at most 512 tokens. "
+        "Token-weighted merges weight branch k by"
         " n_k, the tokens of its group's training data: 0.250 / 0.750 (`avg`, `ties`, as recorded; by the tokens each"
         " branch saw it would be 0.500 / 0.500). Equally weighted merges weight the branches: 0.500 / 0.500 (`eq`, as"
         " recorded)."

@@ -20,20 +20,21 @@ from pipeline.models.families import get_family
 
 
 class RopeIndex:
-    """An example's 3-D positions, by the model class's own ``get_rope_index`` (which reads only the
-    config and a method that builds an image's grid positions): no model is built."""
+    """An example's 3-D positions, by the model class's own ``get_rope_index``, which reads only the
+    model's config and its ``get_vision_position_ids``: this object stands in for the model (none
+    is built)."""
 
     def __init__(self, class_name: str, config: Any):
-        self.class_name, self.config = class_name, config
-
-    def __call__(self, enc: Encoded) -> torch.Tensor:
         import transformers
 
-        model_class = getattr(transformers, self.class_name)
-        holder = type("RopeHolder", (), {"get_vision_position_ids": model_class.get_vision_position_ids})()
-        holder.config = self.config
-        positions, _ = model_class.get_rope_index(
-            holder, enc.input_ids[None], enc.mm_token_type_ids[None], image_grid_thw=enc.image_grid_thw
+        self.model_class, self.config = getattr(transformers, class_name), config
+
+    def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.model_class.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(self, enc: Encoded) -> torch.Tensor:
+        positions, _ = self.model_class.get_rope_index(
+            self, enc.input_ids[None], enc.mm_token_type_ids[None], image_grid_thw=enc.image_grid_thw
         )
         return positions[:, 0]  # (3, T)
 

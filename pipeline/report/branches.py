@@ -121,6 +121,7 @@ def budget_and_weights(
 
 def budget(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
+    batch = {"global_batch": t.global_batch(), "batch": t.batch_text()}
     if t.steps:
-        return {"steps": t.steps, "joint_steps": cfg.branch_count * t.steps, "global_batch": t.global_batch()}
-    return {"epochs": t.epochs, "global_batch": t.global_batch()}
+        return {"steps": t.steps, "joint_steps": cfg.branch_count * t.steps} | batch
+    return {"epochs": t.epochs} | batch

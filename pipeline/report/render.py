@@ -243,7 +243,7 @@ def _budget_line(budget: dict[str, Any], branches: list[dict[str, Any]], weights
         spent = f"{budget['steps']} steps per branch, {budget['joint_steps']} for the joint baseline"
     else:
         return ""
-    return f"Budget: {spent}, global batch {budget['global_batch']}." + _weights_text(branches, weights)
+    return f"Budget: {spent}, a step of {budget['batch']}." + _weights_text(branches, weights)
 
 
 def _weights_text(branches: list[dict[str, Any]], weights: dict[str, dict[str, Any]]) -> str:
