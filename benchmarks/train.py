@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -238,6 +239,7 @@ def main(args: argparse.Namespace) -> None:
         train_branch(spec, echo=False)
         result = {"name": name, "size": size, "device": device_name(cuda), "corpus": args.corpus}
         result |= {"packing": spec.train.packing, "processes": processes} | summary(Path(spec.out_dir))
+        result |= kernels(spec)
         result["flops_per_token"] = per_token
         result["mfu"] = per_token * result["tokens_per_s"] / (args.peak_tflops * 1e12) if cuda else None
         if args.profile:
@@ -263,6 +265,21 @@ def branch(cfg: RunConfig, run_dir: Path, sources: list[str], name: str, **train
     return BranchSpec(
         name=name, run_dir=str(run_dir), init=base_path(cfg, run_dir), sources=sources, out_dir=str(out), config=config
     )
+
+
+def kernels(spec: BranchSpec) -> dict[str, Any]:
+    """The attention and kernels the branch trained with, as its log says."""
+    log = (Path(spec.out_dir) / "train.log").read_text()
+    said = re.search(r"attention (\S+), Liger kernels (.*)", log)
+    t = spec.train
+    return {
+        "attention": said[1] if said else None,
+        "liger": said[2] if said else None,
+        "fused_optimizer": t.fused_optimizer,
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "max_tokens": t.max_tokens if t.packing else None,
+        "grad_accum": t.grad_accum,
+    }
 
 
 def device_name(cuda: bool) -> str:

@@ -132,6 +132,7 @@ def test_train_at_a_real_width_ends_with_a_json_line_of_its_figures(tmp_path, ca
     records = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == line["steps"] == 5 and line["packing"] and line["mfu"] is None  # no MFU on a CPU
     assert line["padding_share"] == 0.0 and line["examples"] == records[-1]["examples"]
+    assert line["attention"] == "merit_varlen" and line["liger"].startswith("off (there is no GPU")
     measured = records[3:]  # after the 3 warm-up steps
     tokens = records[-1]["tokens"] - records[2]["tokens"]
     seconds = records[-1]["elapsed_s"] - records[2]["elapsed_s"]
