@@ -297,9 +297,10 @@ class TrainSection(Section):
 
     def batch_text(self) -> str:
         """A step's batch over all ranks, in words."""
+        n = self.global_batch()
         if self.packing:
-            return f"{self.global_batch()} packed micro batches of at most {self.max_tokens:,} tokens"
-        return f"{self.global_batch()} examples"
+            return f"{n} packed micro batch{'es' * (n != 1)} of at most {self.max_tokens:,} tokens"
+        return f"{n} example{'s' * (n != 1)}"
 
     def steps_for(self, items: int) -> int:
         """Optimizer steps of this budget over ``items`` per epoch: packed micro batches, or
