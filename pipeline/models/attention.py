@@ -16,6 +16,7 @@ SDPA one sequence at a time: the same attention, without the GPU kernel.
 from __future__ import annotations
 
 import inspect
+from functools import cache
 from itertools import pairwise
 from typing import Any
 
@@ -59,11 +60,9 @@ def varlen_attention(
         raise ValueError(f"varlen attention takes one packed row, got a batch of {query.shape[0]}")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, dim)
     if q.is_cuda:
-        from torch.nn.attention.varlen import varlen_attn
-
+        varlen_attn, accepts = _varlen_kernel()
         cu = cu_seq_lens_q.to(torch.int32)
         longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
-        accepts = inspect.signature(varlen_attn).parameters  # torch 2.9 … 2.14 differ
         options = (
             {"window_size": (-1, 0) if causal else (-1, -1)} if "window_size" in accepts else {"is_causal": causal}
         )
@@ -77,6 +76,15 @@ def varlen_attention(
     else:
         out = torch.cat([_one_sequence(q, k, v, a, b, causal, scaling) for a, b in _bounds(cu_seq_lens_q)])
     return out[None], None
+
+
+@cache
+def _varlen_kernel() -> tuple[Any, frozenset[str]]:
+    """torch's varlen attention and the keyword arguments it takes (torch 2.9 … 2.14 differ), looked
+    up once, not in every layer's call."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
