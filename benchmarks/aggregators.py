@@ -24,7 +24,7 @@ from pipeline.diloco.compress import compress
 from pipeline.diloco.plan import DilocoPlan, diloco_plan
 from pipeline.diloco.rounds import aggregate_part, aggregate_round, assemble_round, delta_dir
 from pipeline.layout import CONFIG, bench_dir, start_run
-from pipeline.merge.io import CheckpointReader
+from pipeline.merge.layout import ModelView
 from pipeline.models import processor_for
 
 MB = 2**20
@@ -32,14 +32,14 @@ MB = 2**20
 
 def fabricate_round(plan: DilocoPlan, r: int, seed: int) -> None:
     """Round r's payloads of every worker as a worker publishes them: Δ_k of every floating tensor
-    of θ0 in the plan's compression, with the tokens and seconds a worker records."""
-    theta = CheckpointReader(plan.init)
+    of θ0 as the model holds it, in the plan's compression, with the tokens and seconds a worker records."""
+    theta = ModelView.open(plan.init)
     generator = torch.Generator().manual_seed(seed)
     for k in range(plan.size):
         folder = delta_dir(plan, r, k)
         folder.mkdir(parents=True)
         payload = {}
-        for name, info in theta.info.items():
+        for name, info in theta.loaded().items():
             if info.dtype.is_floating_point:
                 delta = 1e-2 * torch.randn(info.shape, generator=generator)
                 payload |= compress(name, delta, plan.compression)

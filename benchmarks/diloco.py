@@ -56,7 +56,7 @@ from pipeline.diloco import DILOCO, ISOLOCO, OuterSGD, aggregate
 from pipeline.diloco.aggregate import aggregate_deltas
 from pipeline.figures import save_figure
 from pipeline.merge import Rule
-from pipeline.merge.io import TensorInfo
+from pipeline.merge.layout import InMemory, ModelView
 from pipeline.train.engine import lr_lambda
 
 CONTEXT, EOD = 128, 256  # a window is CONTEXT inputs plus the shifted targets: CONTEXT + 1 ids
@@ -198,8 +198,7 @@ class LoraLearner(Learner):
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
-        names = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in model0.state_dict().items()}
-        self.weights = LoraWeights.of(model, names)
+        self.weights = LoraWeights.of(model, ModelView(InMemory(model0.state_dict()), model0.config.to_dict()))
 
     def start_round(self, theta: dict[str, torch.Tensor], seed: int) -> None:
         """The global's weights under a fresh adapter, its moments from zero."""

@@ -12,36 +12,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pipeline.layout import init_path, run_config
-from pipeline.merge.io import CheckpointReader
+from pipeline.merge.layout import ONE_EXPERT, ModelView
 from pipeline.merging import branch_finals
-from pipeline.models.families import stacked_experts
-
-# One expert's tensors: a fused tensor's row e, or the tensors of ``experts.<e>.``.
-PER_EXPERT = re.compile(r"^(?P<layer>.*\.layers\.\d+)\.mlp\.experts\.(?P<e>\d+)\.")
 
 
-def expert_updates(
-    theta0: CheckpointReader, branch: CheckpointReader, stacked: Callable[[str], bool]
-) -> dict[tuple[str, int], torch.Tensor]:
-    """(layer, expert) → the branch's update of that expert's weights, flattened."""
+def expert_updates(theta0: ModelView, branch: ModelView) -> dict[tuple[str, int], torch.Tensor]:
+    """(layer, expert) → the branch's update of that expert's matrices, flattened (each expert's matrix is
+    a piece of its own however the checkpoints store the experts: ``pipeline.merge.layout``)."""
     parts: dict[tuple[str, int], list[torch.Tensor]] = {}
-    for name in theta0.info:
-        if stacked(name):
-            delta = (branch.get(name).float() - theta0.get(name).float()).flatten(1)
-            layer = name.split(".mlp.")[0]
-            for e, row in enumerate(delta):
-                parts.setdefault((layer, e), []).append(row)
-        elif match := PER_EXPERT.match(name):
-            delta = (branch.get(name).float() - theta0.get(name).float()).flatten()
-            parts.setdefault((match["layer"], int(match["e"])), []).append(delta)
+    for key in theta0.info:
+        if match := ONE_EXPERT.match(key):
+            delta = (branch.get(key).float() - theta0.get(key).float()).flatten()
+            parts.setdefault((match["prefix"].removesuffix(".mlp.experts"), int(match["e"])), []).append(delta)
     return {key: torch.cat(rows) for key, rows in parts.items()}
 
 
@@ -60,9 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     cfg = run_config(None, [], str(args.run_dir))[0]
-    start = CheckpointReader(init_path(cfg, args.run_dir))
-    stacked = stacked_experts(start.path)
-    branches = [expert_updates(start, CheckpointReader(p), stacked) for p in branch_finals(args.run_dir)]
+    start = ModelView.open(init_path(cfg, args.run_dir))
+    branches = [expert_updates(start, ModelView.open(p)) for p in branch_finals(args.run_dir)]
     if not branches[0]:
         raise SystemExit(f"{args.run_dir}: θ0 ({start.path}) has no expert tensors: not a mixture of experts")
     sets = [trained(b, args.share) for b in branches]

@@ -213,6 +213,15 @@ def checkpoint_id(checkpoint: str | Path) -> str:
     return str(checkpoint)
 
 
+def source_of(checkpoint: str | Path) -> Path:
+    """The checkpoint whose tensors ``checkpoint`` must hold: the source its manifest names (the model a
+    warm-up, branch or merge came from; recorded by the writer) where this machine has that folder, else
+    ``checkpoint`` itself (a hub snapshot, a folder without our manifest: its own source)."""
+    path = Path(checkpoint)
+    recorded = json.loads((path / MANIFEST).read_text()).get("source") if (path / MANIFEST).is_file() else None
+    return Path(recorded) if recorded and Path(recorded).is_dir() else path
+
+
 def is_complete(folder: str | Path) -> bool:
     try:
         verify_checkpoint(folder)

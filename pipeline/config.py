@@ -67,7 +67,9 @@ class TinyModelSection(Section):
     # Mixture-of-experts families only (tiny:qwen3_vl_moe, tiny:qwen3_5_moe)
     num_experts: int = Field(4, ge=2)
     experts_per_token: int = Field(2, ge=1)
-    moe_intermediate_size: int = Field(32, ge=8)
+    # Not half of hidden_size: an expert's gate_up (2 × inter, hidden) then differs from its transpose,
+    # as in the real models (a layout mistaken for the other cannot pass by shape)
+    moe_intermediate_size: int = Field(24, ge=8)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelSection:
@@ -273,6 +275,11 @@ class TrainSection(Section):
     # never ``lm_head`` nor the projector; or module names (a name matches a module whose path ends
     # with it), as a list or comma-separated.
     lora_target: list[str] | Literal["all"] = "all"
+    # LoRA on a mixture of experts' fused expert tensors (PEFT's ``target_parameters``, ms-swift's
+    # ``--target_parameters``): ``experts`` (every layer's ``mlp.experts.gate_up_proj`` and ``down_proj``)
+    # or parameter names (a name matches a parameter whose path ends with it); none by default, as
+    # LLaMA-Factory's ``all`` takes linear layers only. One rank-r adapter per expert: docs/guides/lora.md.
+    lora_target_parameters: list[str] | Literal["experts"] = []
     additional_target: list[str] = []  # modules trained in full and saved whole (PEFT's modules_to_save)
 
     @model_validator(mode="before")
@@ -280,11 +287,18 @@ class TrainSection(Section):
     def _comma_separated(cls, data: Any) -> Any:
         """LLaMA-Factory writes ``lora_target: q_proj,v_proj``: the same as a list."""
         if isinstance(data, dict):
-            for key in ("lora_target", "additional_target"):
+            for key in ("lora_target", "lora_target_parameters", "additional_target"):
                 value = data.get(key)
-                if isinstance(value, str) and (key == "additional_target" or value != "all"):
+                if isinstance(value, str) and (key == "additional_target" or value not in ("all", "experts")):
                     data = data | {key: [v.strip() for v in value.split(",") if v.strip()]}
         return data
+
+    @model_validator(mode="after")
+    def _expert_lora(self) -> TrainSection:
+        if self.lora_target_parameters and self.lora_dropout:
+            # PEFT's ParamWrapper: the dropout of x cannot be factored out of an expert's B A x
+            raise ValueError("train.lora_target_parameters needs train.lora_dropout 0 (PEFT applies none to them)")
+        return self
 
     @property
     def lora_scaling(self) -> float:

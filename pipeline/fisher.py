@@ -5,7 +5,8 @@ gradient of the instruction-tuning loss, one example per backward pass. One pass
 examples, on the given device; fp32 accumulators only for the parameters that train (a frozen
 tensor is the same in every branch, so the merge needs no Fisher for it: it falls back to the
 weighted average there), and no copy of the model: the accumulators are written with the
-model's own ``save_pretrained(state_dict=...)``, so the file has the checkpoint's on-disk names.
+model's own ``save_pretrained(state_dict=...)``, and the merge reads them as it reads the models, as
+the model holds them (``pipeline.merge.layout``: each expert's matrix its own Fisher values).
 
 Memory at 7B in bf16: weights 2 B/param, gradients 2 B/param, accumulators 4 B/param = 8 B per
 trainable parameter, 61 GB with everything trainable: one 80 GB GPU.

@@ -43,6 +43,9 @@ def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict
 
 
 def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
+    """θ0's family and the layout of its files (``pipeline.merge.layout``), read from its headers and
+    config: a fused expert tensor of a shape its family does not load is named here, not at the merge."""
+    from pipeline.merge.layout import ModelView
     from pipeline.models.families import family_of_config, tiny_family
 
     if is_tiny(cfg):
@@ -50,7 +53,7 @@ def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
     folder = Path(base_path(cfg, run_dir))  # a hub id not in the cache (offline) fails here, named
     config = json.loads((folder / "config.json").read_text())
     family = family_of_config(config, str(folder / "config.json"))  # every stage reads the model through it
-    return f"{folder} ({family.model_type})"
+    return f"{folder} ({family.model_type}: {ModelView.open(folder).layout.summary()})"
 
 
 def _data(cfg: RunConfig, run_dir: str | Path) -> str:
@@ -176,15 +179,16 @@ def _meta_model(cfg: RunConfig, run_dir: str | Path) -> Any:
 
 def _lora(cfg: RunConfig, run_dir: str | Path) -> str:
     """LoRA's targets against the model's modules (built on the meta device: no weights read)."""
-    from pipeline.train.lora import check_additional_targets, lora_targets
+    from pipeline.train.lora import check_additional_targets, lora_parameters, lora_targets
 
     if "lora" not in {cfg.train.finetuning_type, cfg.warmup.finetuning_type if cfg.warmup.steps else "full"}:
         return "full fine-tuning"
     model = _meta_model(cfg, run_dir)
-    targets = lora_targets(model, cfg.train)
+    targets, experts = lora_targets(model, cfg.train), lora_parameters(model, cfg.train)
     check_additional_targets(model, cfg.train)
     t = cfg.train
-    return f"LoRA rank {t.lora_rank}, alpha {t.lora_scaling * t.lora_rank:g}, on {len(targets)} modules"
+    on = f" and {len(experts)} fused expert tensors" if experts else ""
+    return f"LoRA rank {t.lora_rank}, alpha {t.lora_scaling * t.lora_rank:g}, on {len(targets)} modules{on}"
 
 
 def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
@@ -195,9 +199,5 @@ def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
 
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.diloco.plan import check_diloco
-    from pipeline.diloco.weights import disk_names
 
-    checked = check_diloco(cfg, torch.cuda.device_count())
-    if cfg.train.finetuning_type == "full":
-        disk_names(_meta_model(cfg, run_dir))  # full workers read and set their tensors by on-disk name
-    return checked
+    return check_diloco(cfg, torch.cuda.device_count())

@@ -246,17 +246,24 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def hub_layout(built: str, hub: Path) -> Path:
-    """A copy of θ0 with its fused experts stored (experts, in, out), as Qwen3-VL-MoE is on the hub."""
-    import shutil
+def restyled_copy(source: str | Path, dst: Path, experts: str | None = None, shards: int = 1) -> Path:
+    """A copy of checkpoint ``source`` in another layout, as another tool would have written the same weights:
+    its experts stored as ``experts`` says ("fused", "fused_in_out", "per_expert"; default: as its family's
+    hub stores them), its tensors cut into ``shards`` files with an index; its carried tensors (``mtp.*``)
+    and aux files as they are, no manifest (a hub snapshot's folder)."""
+    from pipeline.merge.io import copy_aux_files, stream_checkpoint
+    from pipeline.merge.layout import ModelView, assemble, layout_of, restyled
 
-    from safetensors.torch import load_file, save_file
+    view = ModelView.open(source)
+    stored = restyled(view.loaded(), view.config(), experts).stored
+    stored |= {name: view.files.info[name] for name in view.layout.carried}
+    layout = layout_of(stored, view.config())
 
-    shutil.copytree(built, hub, ignore=shutil.ignore_patterns("manifest.json", ".*"))
-    state = load_file(hub / "model.safetensors")
-    save_file(
-        {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in state.items()},
-        hub / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    return hub
+    def produce(name: str):
+        pieces = layout.in_stored(name)
+        return assemble(pieces, stored[name], lambda p: view.get(p.key)) if pieces else view.files.get(name)
+
+    dst.mkdir(parents=True)
+    stream_checkpoint(dst, stored, produce, sum(i.nbytes for i in stored.values()) // shards + 1)
+    copy_aux_files(view.aux_files(), dst)
+    return dst

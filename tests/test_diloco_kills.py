@@ -47,7 +47,7 @@ from pipeline.diloco.rounds import (
     send,
 )
 from pipeline.diloco.worker import PAYLOAD, WorkerJob, next_open_round, publish
-from pipeline.merge import CheckpointReader
+from pipeline.merge import CheckpointReader, ModelView
 from pipeline.models import init_model
 
 KILLED = 1  # the round killed (sync, quorum): it reads round 0's momentum and writes its own
@@ -89,12 +89,13 @@ def make_plan(run_dir: Path, folder: Path, mode: str, parts: int = 1) -> tuple:
 @pytest.fixture(scope="module")
 def saved(run_dir, tmp_path_factory) -> Callable[[int, int], Path]:
     """``saved(r, k)``: worker k's checkpoint holding its payload of round r (async: its r-th, begun
-    from global 2r), as the worker saves it before publishing: int8 Δ of every floating tensor."""
-    folder, theta = tmp_path_factory.mktemp("saved"), CheckpointReader(Path(run_dir) / "init")
+    from global 2r), as the worker saves it before publishing: int8 Δ of every floating tensor as the model
+    holds it."""
+    folder, theta = tmp_path_factory.mktemp("saved"), ModelView.open(Path(run_dir) / "init")
     for r in range(2):
         for k in range(3):
             generator, payload = torch.Generator().manual_seed(10 * r + k), {}
-            for name, info in theta.info.items():
+            for name, info in theta.loaded().items():
                 if info.dtype.is_floating_point:
                     payload |= compress(name, 1e-2 * torch.randn(info.shape, generator=generator), "int8")
             out = folder / str(r) / str(k) / "diloco" / PAYLOAD

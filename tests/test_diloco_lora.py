@@ -21,9 +21,10 @@ from pipeline.checkpoint import read_manifest, write_manifest
 from pipeline.config import ConfigError, DilocoMethod, load_config
 from pipeline.diloco.asynchronous import Arrival, apply_arrival
 from pipeline.diloco.lora import LoraWeights, save_adapter
+from pipeline.diloco.payload import open_payload
 from pipeline.diloco.plan import diloco_plan
 from pipeline.diloco.rounds import aggregate_round, delta_dir, global_dir
-from pipeline.merge import CheckpointReader
+from pipeline.merge import CheckpointReader, ModelView
 from pipeline.merge.io import MergeInputError
 from pipeline.preflight import check_run
 from pipeline.report.collect import diloco_runs
@@ -166,9 +167,9 @@ def fabricate_adapters(plan, whole: bool = True) -> list[dict[str, torch.Tensor]
     worker records; returns each one's dense Δ."""
     train = plan.workers[0].train
     train = train if whole else train.model_copy(update={"additional_target": []})
-    theta, scaling = CheckpointReader(plan.init), train.lora_scaling
+    theta, scaling = ModelView.open(plan.init), train.lora_scaling
     peft = apply_lora(AutoModelForImageTextToText.from_pretrained(plan.init), train, plan.init)
-    weights = LoraWeights.of(peft.base_model.model, theta.info)
+    weights = LoraWeights.of(peft.base_model.model, theta)
     peft_name = {id(p): n for n, p in weights.trained.items()}
     generator, deltas = torch.Generator().manual_seed(0), []
     for k in range(plan.size):
@@ -178,8 +179,8 @@ def fabricate_adapters(plan, whole: bool = True) -> list[dict[str, torch.Tensor]
             state[peft_name[id(a)]], state[peft_name[id(b)]] = a_k, b_k
             delta[name] = -scaling * (b_k @ a_k)
         for name, param in weights.whole.items():
-            state[peft_name[id(param)]] = theta.get(name) + 0.01 * torch.randn(param.shape, generator=generator)
-            delta[name] = theta.get(name) - state[peft_name[id(param)]]
+            state[peft_name[id(param)]] = theta.get_loaded(name) + 0.01 * torch.randn(param.shape, generator=generator)
+            delta[name] = theta.get_loaded(name) - state[peft_name[id(param)]]
         folder = delta_dir(plan, 0, k)
         folder.mkdir(parents=True)
         save_adapter(peft, state, folder, plan.init)
@@ -190,8 +191,8 @@ def fabricate_adapters(plan, whole: bool = True) -> list[dict[str, torch.Tensor]
 
 
 def dense_payloads(plan, deltas: list[dict[str, torch.Tensor]]) -> None:
-    """The same Δ as a dense worker publishes it (fp32, the tensors in θ's order)."""
-    order = list(CheckpointReader(plan.init).info)
+    """The same Δ as a dense worker publishes it (fp32, the tensors as the model holds them, in θ's order)."""
+    order = list(ModelView.open(plan.init).loaded())
     for k, delta in enumerate(deltas):
         folder = delta_dir(plan, 0, k)
         folder.mkdir(parents=True)
@@ -222,7 +223,7 @@ def test_methods_aggregate_adapter_payloads_as_the_same_delta_w_sent_dense(lora_
     for sub in ("", "outer"):
         assert_same_weights(global_dir(adapters, 1) / sub, global_dir(dense, 1) / sub, atol=1e-5)
     theta0, merged = CheckpointReader(adapters.init), CheckpointReader(global_dir(adapters, 1))
-    trained = set(CheckpointReader(delta_dir(dense, 0, 0)).info)
+    trained = set(open_payload(delta_dir(dense, 0, 0), ModelView.open(dense.init)).trained)
     assert {n for n in theta0.info if not torch.equal(merged.get(n), theta0.get(n))} == trained
     sent = sum(tensor_bytes(delta_dir(adapters, 0, k) / "adapter_model.safetensors") for k in range(3))
     assert records[0]["bytes"]["sent"] == sent < records[1]["bytes"]["sent"] / 4

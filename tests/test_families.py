@@ -1,8 +1,11 @@
-"""Every model family, at tiny width from its own config class: built offline, trained on a real
-example, merged without dropping a tensor, fused experts merged expert by expert."""
+"""Every model family, at tiny width from its own config class: built offline as the hub stores it,
+trained on a real example, merged without dropping a tensor, each expert's matrices merged alone."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import sys
 from dataclasses import replace
 from itertools import pairwise
@@ -11,17 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BRANCH_SOURCES, branch_spec, hub_layout, small_config
+from conftest import BRANCH_SOURCES, branch_spec, restyled_copy, small_config
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from pipeline.checkpoint import save_pretrained_checkpoint
 from pipeline.config import TrainSection
 from pipeline.data.builtin import make_example
 from pipeline.data.encode import Collator, Encoder
 from pipeline.data.packed import PackedCollator
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import TensorInfo, check_complete
+from pipeline.merge.layout import ModelView
 from pipeline.models import init_model, load_model, parameter_groups
 from pipeline.models.attention import packed_attention, prepare_for_packing
 from pipeline.models.families import UnsupportedModelError, get_family, supported
@@ -29,6 +33,7 @@ from pipeline.models.kernels import patch as patch_with_liger
 from pipeline.models.kernels import use_liger
 from pipeline.models.loading import DTYPES
 from pipeline.models.loss import decoder_states, supervised_nll
+from pipeline.models.saving import save_like
 from pipeline.train import train_branch
 
 ROOT = Path(__file__).parent.parent
@@ -75,7 +80,7 @@ def test_a_tiny_model_is_its_familys_own_class_and_trains_on_an_image_example(th
 
 
 def branches(path: str, tmp_path, n: int = 2) -> list[str]:
-    """θ0 plus a different random change of every float tensor, saved as a branch would be."""
+    """θ0 plus a different random change of every float tensor, saved as a branch is (θ0's layout)."""
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(path)
     theta = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,7 +92,7 @@ def branches(path: str, tmp_path, n: int = 2) -> list[str]:
             for name, t in theta.items()
         }
         model.load_state_dict(state)
-        out.append(str(save_pretrained_checkpoint(tmp_path / f"branch{k}", model, processor, step=1)))
+        out.append(str(save_like(tmp_path / f"branch{k}", model, path, processor, step=1)))
     return out
 
 
@@ -104,6 +109,7 @@ def test_a_merge_holds_exactly_theta0s_tensors_and_the_average_is_exact(theta0, 
     merged = merge(path, paths, str(tmp_path / "avg"), "weighted_average")
     base = CheckpointReader(path)
     assert {n: i.shape for n, i in merged.info.items()} == {n: i.shape for n, i in base.info.items()}
+    assert [CheckpointReader(p).info.keys() for p in paths] == [base.info.keys()] * 2  # branches as θ0 stores
     inputs = [CheckpointReader(p) for p in paths]
     for name in base.info:
         expected = 0.25 * inputs[0].get(name).float() + 0.75 * inputs[1].get(name).float()
@@ -140,21 +146,27 @@ def all_linear() -> LoraConfig:
     return LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")
 
 
-def test_a_fused_expert_tensor_merges_expert_by_expert_and_routers_average(tmp_path_factory, tmp_path):
-    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe")
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_each_experts_gate_up_and_down_merge_alone_and_routers_average(tmp_path_factory, tmp_path, family):
+    """Iso-C of a fused expert tensor is Iso-C of each expert's gate, up and down matrix on its own (a
+    spectrum over the gate and up halves together, or over all experts, would be another merge); the
+    routers, not named by a rule, are averaged."""
+    cfg = small_config(f"model.name_or_path=tiny:{family}")
     path = init_model(cfg, tmp_path_factory.mktemp("moe"))["path"]
     paths = branches(path, tmp_path)
-    merged = merge(path, paths, str(tmp_path / "iso"), "iso_c")
-    base, inputs = CheckpointReader(path), [CheckpointReader(p) for p in paths]
-    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
-    router = "model.language_model.layers.0.mlp.gate.weight"
-    assert base.info[fused].shape[0] == cfg.model.tiny.num_experts
-    taus = [np.asarray(r.get(fused).double() - base.get(fused).double()) for r in inputs]
-    for e in range(base.info[fused].shape[0]):
-        mean = 0.25 * taus[0][e] + 0.75 * taus[1][e]  # Iso-C of this expert's matrix alone
-        u, s, vt = np.linalg.svd(mean, full_matrices=False)
-        expected = base.get(fused)[e].double().numpy() + s.mean() * u @ vt
-        np.testing.assert_allclose(merged.get(fused)[e].double().numpy(), expected, atol=1e-5)
+    merge(path, paths, str(tmp_path / "iso"), "iso_c")
+    base, inputs = ModelView.open(path), [ModelView.open(p) for p in paths]
+    merged = ModelView.open(tmp_path / "iso")
+    layer, e = "model.language_model.layers.0.mlp", cfg.model.tiny.num_experts - 1
+    assert base.layout.experts == ("fused_in_out" if family == "qwen3_vl_moe" else "fused")
+    for proj, shape in {"gate_proj": (24, 64), "up_proj": (24, 64), "down_proj": (64, 24)}.items():
+        key = f"{layer}.experts.{e}.{proj}.weight"
+        assert base.info[key].shape == shape
+        taus = [np.asarray(r.get(key).double() - base.get(key).double()) for r in inputs]
+        u, s, vt = np.linalg.svd(0.25 * taus[0] + 0.75 * taus[1], full_matrices=False)
+        expected = base.get(key).double().numpy() + s.mean() * u @ vt  # Iso-C of this matrix alone
+        np.testing.assert_allclose(merged.get(key).double().numpy(), expected, atol=1e-5)
+    router = f"{layer}.gate.weight"
     average = 0.25 * inputs[0].get(router) + 0.75 * inputs[1].get(router)
     assert torch.allclose(merged.get(router), average, rtol=0, atol=1e-6)
 
@@ -209,6 +221,7 @@ def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_i
     from pipeline import preflight
     from pipeline.config import load_config
     from pipeline.models import apply_freeze, build_tiny_model
+    from pipeline.models.saving import save_as_hub
     from pipeline.train.lora import lora_targets
 
     repo, tiny, widths = SHIPPED[config]
@@ -216,13 +229,12 @@ def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_i
     model, processor = build_tiny_model(built.model, seed=0)
     model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "download")
-    processor.save_pretrained(tmp_path / "download")
+    save_as_hub(tmp_path / "download", model.to(torch.bfloat16), {}, processor)  # experts (in, out) as the hub's
     hub_snapshot(tmp_path / "hf", repo, tmp_path / "download")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HOME", str(tmp_path / "hf"))
         cfg = load_config(ROOT / "configs" / config, [f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json"])
-        assert preflight._theta0(cfg, tmp_path).endswith(f"({tiny.partition(':')[2]})")
+        assert f"({tiny.partition(':')[2]}: " in preflight._theta0(cfg, tmp_path)
         assert preflight._lora(cfg, tmp_path).startswith("LoRA rank 16")
         preflight._deepspeed(cfg, tmp_path)
         preflight._merges(cfg, tmp_path)
@@ -240,60 +252,87 @@ def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_i
     assert "lm_head.weight" in merged.info and any("deepstack_merger_list" in n for n in merged.info)
 
 
-def test_full_weight_diloco_on_qwen3_5_moe_is_refused_before_it_starts():
-    """Its experts are fused in memory and stored one by one: full-weight workers, which read and set
-    their tensors by on-disk name, would need the split at every round; preflight says so."""
+def test_preflight_reads_theta0s_layout_from_its_files_and_passes_full_weight_diloco_on_every_moe(tmp_path):
+    """θ0's layout is decided from its files and config (no model built): preflight names it, refuses a fused
+    tensor of a shape the family does not load, and lets full-weight DiLoCo workers train Qwen3.5-MoE (they
+    send Δ as they hold the experts; the aggregator reads it and the globals through the same layout)."""
     from pipeline import preflight
 
-    cfg = small_config("model.name_or_path=tiny:qwen3_5_moe")
-    with pytest.raises(ValueError, match="experts fused in memory, stored one by one.*lora"):
-        preflight._diloco(cfg, ".")
-    assert "workers" in preflight._diloco(small_config("model.name_or_path=tiny:qwen3_vl_moe"), ".")
+    for family in ("qwen3_5_moe", "qwen3_vl_moe"):
+        assert "workers" in preflight._diloco(small_config(f"model.name_or_path=tiny:{family}"), ".")
+    built = init_model(small_config("model.name_or_path=tiny:qwen3_5_moe"), tmp_path / "run")["path"]
+    cfg = small_config(f"model.name_or_path={built}")
+    checked = preflight._theta0(cfg, tmp_path)
+    assert "(qwen3_5_moe: " in checked and "experts fused (experts, out, in)" in checked and "(mtp.*)" in checked
+    broken = shutil.copytree(built, tmp_path / "broken", ignore=shutil.ignore_patterns("manifest.json", ".*"))
+    tensors = load_file(broken / "model.safetensors")
+    save_file(
+        {n: t.transpose(1, 2).contiguous() if "experts.gate_up" in n else t for n, t in tensors.items()},
+        broken / "model.safetensors",
+    )  # Qwen3.5-MoE is never stored (in, out)
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj is \(4, 64, 48\): .* loads it as \(experts, 48, 64\)"):
+        preflight._theta0(small_config(f"model.name_or_path={broken}"), tmp_path)
 
 
 FUSED = "model.language_model.layers.0.mlp.experts.down_proj"
 
 
-def test_a_hub_theta0_with_experts_stored_in_out_merges_with_branches_saved_out_in(tmp_path_factory, tmp_path):
-    """Qwen3-VL-MoE on the hub stores each expert (in, out); transformers 5 loads it transposed and
-    saves (out, in): θ0 and its branches hold the experts in two layouts, merged in the branches'."""
-    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24")
-    built = init_model(cfg, tmp_path_factory.mktemp("moe-hub"))["path"]
-    paths = branches(built, tmp_path)  # saved by transformers: (experts, out, in)
-    hub = hub_layout(built, tmp_path / "hub")
+def test_branches_transformers_saved_merge_over_a_hub_theta0_into_the_hubs_layout(tmp_path_factory, tmp_path):
+    """Qwen3-VL-MoE on the hub stores each expert (in, out); transformers loads it transposed and saves (out, in).
+    A merge of branches saved by transformers over the hub's θ0 reads both as loaded and writes θ0's layout,
+    which transformers loads to the merge."""
+    cfg = small_config("model.name_or_path=tiny:qwen3_vl_moe")
+    hub = init_model(cfg, tmp_path_factory.mktemp("moe-hub"))["path"]
     assert CheckpointReader(hub).info[FUSED].shape == (4, 24, 64)  # (experts, in, out) as on the hub
+    paths = [
+        str(restyled_copy(p, tmp_path / f"saved{k}", experts="fused")) for k, p in enumerate(branches(hub, tmp_path))
+    ]
+    assert CheckpointReader(paths[0]).info[FUSED].shape == (4, 64, 24)  # (experts, out, in), as transformers saves
     for method in ("weighted_average", "iso_c"):
-        merged = merge(str(hub), paths, str(tmp_path / method), method)
-        assert merged.info[FUSED].shape == (4, 64, 24)
-        assert AutoModelForImageTextToText.from_pretrained(tmp_path / method).config.model_type == "qwen3_vl_moe"
-    inputs = [CheckpointReader(p) for p in paths]
-    average = 0.25 * inputs[0].get(FUSED) + 0.75 * inputs[1].get(FUSED)
-    assert torch.allclose(CheckpointReader(tmp_path / "weighted_average").get(FUSED), average, rtol=0, atol=1e-6)
-    delta = CheckpointReader(tmp_path / "iso_c").get(FUSED) - CheckpointReader(built).get(FUSED)
-    assert delta.abs().max() < 0.1  # θ0 read in the branches' layout: the update is a small ΔW
+        merged = merge(hub, paths, str(tmp_path / method), method)
+        assert merged.info[FUSED].shape == (4, 24, 64)
+    inputs, average = [ModelView.open(p) for p in paths], ModelView.open(tmp_path / "weighted_average")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "weighted_average").state_dict()
+    expected = 0.25 * inputs[0].get_loaded(FUSED) + 0.75 * inputs[1].get_loaded(FUSED)
+    torch.testing.assert_close(loaded[FUSED], expected, rtol=0, atol=1e-6)
+    assert torch.equal(average.get_loaded(FUSED), loaded[FUSED])
+    delta = ModelView.open(tmp_path / "iso_c").get_loaded(FUSED) - ModelView.open(hub).get_loaded(FUSED)
+    assert 0 < delta.abs().max() < 0.1  # θ0 read as loaded, not transposed: the update is a small ΔW
 
 
-@pytest.mark.parametrize("layout", ["saved", "hub"])
-def test_a_zero3_branch_of_a_moe_starts_from_theta0_in_either_expert_layout(tmp_path, layout):
-    """Under ZeRO-3 transformers compared each expert tensor with a partition of shape (0,) and transposed
-    every one, so a θ0 transformers saved failed to load; both layouts now load as the ordinary path does."""
+@pytest.mark.parametrize("layout", ["hub", "saved"])
+def test_a_zero3_branch_of_a_moe_with_partitioned_experts_keeps_theta0s_layout_and_merges(tmp_path, layout):
+    """ZeRO-3 partitions only tensors above its persistence threshold (1e5 entries by default, more than a tiny
+    expert tensor holds): lowered here, every expert tensor is partitioned, as a real model's are. Under ZeRO-3
+    transformers transposes an expert tensor it compares with a partition of shape (0,) (loading and saving
+    alike): the branch starts from θ0 as loaded in either layout, and its final weights are written in θ0's
+    layout, which merges with θ0 and loads."""
     from merit.cli import main as merit
 
     run = tmp_path / "run"
-    settings = ["model.name_or_path=tiny:qwen3_vl_moe", "model.tiny.moe_intermediate_size=24"]
-    settings += ["data.builtin.examples_per_source=8", "warmup.steps=0"]
+    settings = ["model.name_or_path=tiny:qwen3_vl_moe", "data.builtin.examples_per_source=8", "warmup.steps=0"]
     assert merit(["init", str(ROOT / "configs/demo.yaml"), "--run-dir", str(run), *sets(settings)]) == 0
     assert merit(["prepare", "--run-dir", str(run)]) == 0
     built = str(run / "init")
-    init = str(hub_layout(built, tmp_path / "hub")) if layout == "hub" else built
-    zero3 = [f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json", "train.processes=2", "train.steps=2"]
-    branch = branch_spec(run, tmp_path / "branch", *zero3, "train.checkpoint_every=2", sources=BRANCH_SOURCES[:2])
+    init = built if layout == "hub" else str(restyled_copy(built, tmp_path / "saved", experts="fused"))
+    zero3 = json.loads((ROOT / "configs/deepspeed/zero3.json").read_text())
+    zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 1000  # an expert tensor: 4 × 48 × 64
+    (tmp_path / "zero3.json").write_text(json.dumps(zero3))
+    settings = [f"train.deepspeed={tmp_path / 'zero3.json'}", "train.processes=2", "train.steps=2"]
+    branch = branch_spec(run, tmp_path / "branch", *settings, "train.checkpoint_every=2", sources=BRANCH_SOURCES[:2])
     result = train_branch(branch.model_copy(update={"init": init}), echo=False)
     assert result.steps == 2
-    trained, theta0 = CheckpointReader(tmp_path / "branch" / "final"), CheckpointReader(built)
-    assert trained.info[FUSED].shape == theta0.info[FUSED].shape == (4, 64, 24)
-    delta = trained.get(FUSED) - theta0.get(FUSED)  # θ0's values, trained a little: loaded right
-    assert 0 < delta.abs().max() < 0.1
+    log = (tmp_path / "branch" / "train.log").read_text()
+    # every tensor over 1,000 entries is partitioned, an expert tensor's 12,288 (4 × 48 × 64) among them
+    assert re.search(r"ZeRO-3 partitions \d+ of \d+ tensors .* at most 1,000 entries stay whole", log), log[-2000:]
+    final = tmp_path / "branch" / "final"
+    trained, theta0 = CheckpointReader(final), CheckpointReader(init)
+    assert {n: i.shape for n, i in trained.info.items()} == {n: i.shape for n, i in theta0.info.items()}
+    delta = ModelView.open(final).get_loaded(FUSED) - ModelView.open(init).get_loaded(FUSED)
+    assert 0 < delta.abs().max() < 0.1  # θ0's values, trained a little: loaded and written right
+    merged = merge(init, [str(final), str(final)], str(tmp_path / "merged"), "ties", weights=(1.0, 1.0))
+    assert merged.info.keys() == theta0.info.keys()
+    assert AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").config.model_type == "qwen3_vl_moe"
 
 
 def sets(settings: list[str]) -> list[str]:

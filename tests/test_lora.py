@@ -128,7 +128,7 @@ def test_merged_state_is_peft_merge_and_unload(run_dir):
         for param in peft.parameters():
             if param.requires_grad:
                 param.add_(torch.randn_like(param) * 0.1)  # B starts at 0: make ΔW non-zero
-    ours = merged_state(peft.base_model.model.state_dict(), cfg.train.lora_scaling)
+    ours = merged_state(peft.base_model.model.state_dict(), peft.base_model.model)
     theirs = peft.merge_and_unload().state_dict()
     assert ours.keys() == theirs.keys()
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6

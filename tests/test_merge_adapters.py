@@ -245,7 +245,9 @@ def test_bad_adapters_and_specs_are_named(adapters, tmp_path):
     key = next(k for k in stored if k.endswith("layers.0.self_attn.q_proj.lora_A.weight"))
     stored[key] = torch.zeros(stored[key].shape[0], 7)
     save_file(stored, wrong / "adapter_model.safetensors")
-    with pytest.raises(MergeInputError, match=r"LoRA factors of model.layers.0.self_attn.q_proj.weight are A \(2, 7\)"):
+    with pytest.raises(
+        MergeInputError, match=r"LoRA factors of model.language_model.layers.0.self_attn.q_proj.weight are A \(2, 7\)"
+    ):
         merge_checkpoints(spec(tmp_path, init, [("adapter", wrong)]), progress=False)
     stored = load_file(folders[0] / "adapter_model.safetensors")
     stored = {k.replace("layers.0.", "layers.9."): v for k, v in stored.items()}

@@ -51,7 +51,7 @@ from pipeline.checkpoint import (
     write_manifest,
 )
 from pipeline.diloco.aggregate import arrival_weight
-from pipeline.diloco.payload import open_payload
+from pipeline.diloco.payload import open_payload, stored_delta
 from pipeline.diloco.plan import DilocoPlan
 from pipeline.diloco.rounds import (
     OUTER,
@@ -59,6 +59,7 @@ from pipeline.diloco.rounds import (
     delta_dir,
     global_dir,
     global_reader,
+    layout_meta,
     link,
     outer_of,
     outer_state,
@@ -67,8 +68,8 @@ from pipeline.diloco.rounds import (
     rounds_done,
     write_stepped,
 )
-from pipeline.merge.inputs import rows_of
 from pipeline.merge.io import CheckpointReader, MergeInputError, TensorInfo, copy_aux_files
+from pipeline.merge.layout import ModelView
 from pipeline.merge.rules import choose
 
 ARRIVALS, NEXT = "arrivals.json", "next.json"
@@ -221,11 +222,11 @@ def apply_arrival(
         )
     step = _ArrivalStep(plan, theta, window(plan, schedule, v) if closes else [arrival], closes, device)
     step.previous = outer_state(plan, v)
-    trained = set(step.trained)
-    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in trained else i.dtype) for n, i in theta.info.items()}
-    momentum = {n: TensorInfo(theta.info[n].shape, torch.float32) for n in step.trained} if closes else {}
+    trained, stored = set(step.trained), theta.layout.stored
+    out_plan = {n: TensorInfo(i.shape, torch.float32 if n in trained else i.dtype) for n, i in stored.items()}
+    momentum = {n: TensorInfo(stored[n].shape, torch.float32) for n in step.trained} if closes else {}
     with staged_dir(global_dir(plan, v + 1)) as tmp:
-        hashes, _ = write_stepped(tmp, theta, out_plan, trained, step, momentum if step.outer.momentum else {})
+        hashes, _ = write_stepped(tmp, theta.files, out_plan, trained, step, momentum if step.outer.momentum else {})
         if not closes and step.previous is not None:  # the momentum moves once a window: the same files
             hashes |= _link_outer(global_dir(plan, v), tmp)
         copy_aux_files(theta.aux_files(), tmp)
@@ -234,7 +235,7 @@ def apply_arrival(
         if began is not None:
             record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
         write_json_atomic(tmp / "round.json", record)
-        write_manifest(tmp, hashes, kind="diloco_global", round=v + 1, variant=plan.variant)
+        write_manifest(tmp, hashes, kind="diloco_global", round=v + 1, variant=plan.variant, **layout_meta(theta))
     return record
 
 
@@ -242,7 +243,7 @@ class _ArrivalStep:
     """One trained tensor of an arrival: θ − η c w Δ, and at a window's end the momentum's share
     from the window's Σ c w_i Δ_i."""
 
-    def __init__(self, plan: DilocoPlan, theta: CheckpointReader, payloads: list[Arrival], closes: bool, device: str):
+    def __init__(self, plan: DilocoPlan, theta: ModelView, payloads: list[Arrival], closes: bool, device: str):
         self.theta, self.payloads, self.closes, self.device = theta, payloads, closes, device
         # A LoRA payload's Δ is −(alpha / r)·B A whatever global it started from; a tensor it saves
         # whole would need that global, which may be gone (refused by the config: no
@@ -260,15 +261,13 @@ class _ArrivalStep:
         self.norm2, self.seconds = 0.0, {"merge": 0.0, "outer": 0.0}
 
     def delta(self, i: int, name: str) -> torch.Tensor:
-        shape = self.theta.info[name].shape
-        rows = self.readers[i].delta(name)(0, rows_of(shape)[0])
-        return rows.to(self.device, torch.float32).reshape(shape)
+        return stored_delta(self.readers[i], name, self.device)
 
     def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         clock = Clock()
-        method, params = choose(name, self.rules)
+        method, params = choose((name, *(p.key for p in self.theta.layout.in_stored(name))), self.rules)
         scale = float(method.coefficients(torch.ones(1), params)[1][0])  # a linear method's c
-        value, delta = self.theta.get(name).to(self.device, torch.float32), self.delta(-1, name)
+        value, delta = self.theta.files.get(name).to(self.device, torch.float32), self.delta(-1, name)
         self.norm2 += float(delta.double().square().sum())
         value.sub_(delta, alpha=self.outer.lr * scale * self.payloads[-1].weight)
         self.seconds["merge"] += clock.lap()
@@ -298,7 +297,7 @@ def _record(
     worker). Bytes: the payload sent (a LoRA worker's adapter), the global its worker fetches next
     (the trained tensors in fp32), what the aggregator read; data-parallel training of the same
     steps would send 2 (R − 1) / R of the fp32 gradients of what trains each step from this worker."""
-    fp32 = sum(4 * math.prod(step.theta.info[n].shape) for n in step.trained)
+    fp32 = sum(4 * math.prod(step.theta.layout.stored[n].shape) for n in step.trained)
     sent = step.readers[-1].sent
     read = sum(r.read(set(r.trained)) for r in step.readers) + fp32 * (2 if closes else 1)
     return {

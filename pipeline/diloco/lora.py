@@ -5,10 +5,10 @@ of m·n).
 A LoRA worker's round:
 
 1. **Base weights from the global.** The frozen weights of the adapted modules
-   (``…q_proj.base_layer.weight``) and the trained copies of the ``modules_to_save`` tensors
-   (``train.additional_target``; with their fp32 masters, ``safe_set_full_fp32_param``) are set
-   from the global, matched to its tensor names by the adapter reader's own mapping
-   (:func:`pipeline.merge.adapter.checkpoint_name`). No other tensor ever changes: the global
+   (``…q_proj.base_layer.weight``; a fused expert tensor adapted through ``target_parameters``) and the
+   trained copies of the ``modules_to_save`` tensors (``train.additional_target``; with their fp32
+   masters, ``safe_set_full_fp32_param``) are set from the global, read as the model holds them
+   (:class:`pipeline.merge.layout.ModelView`). No other tensor ever changes: the global
    differs from θ0 only where an adapter or a saved module trains. With bf16 weights the frozen
    base weights are the global's rounded to bf16 (they have no master copy; the global itself
    stays fp32, and Δ is formed from the adapter, never from the base weights).
@@ -49,10 +49,9 @@ import torch
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 
-from pipeline.merge.adapter import PEFT_PREFIX, checkpoint_name
-from pipeline.merge.io import CheckpointReader, TensorInfo
-
-ADAPTER = "default"  # the adapter name PEFT gives the one adapter of a branch
+from pipeline.merge.adapter import PEFT_PREFIX
+from pipeline.merge.layout import ModelView
+from pipeline.train.lora import ADAPTER, lora_delta, unwrapped
 
 
 def round_seed(run_seed: int, worker: int, n: int) -> int:
@@ -63,24 +62,26 @@ def round_seed(run_seed: int, worker: int, n: int) -> int:
 
 @dataclass
 class LoraWeights:
-    """A LoRA model's tensors as a DiLoCo worker sets and sends them, keyed by the global's tensor
-    names (θ's checkpoint names) or, for what is sent, by PEFT's state-dict names."""
+    """A LoRA model's tensors as a DiLoCo worker sets and sends them, keyed by the names the model
+    holds θ's tensors under (a fused expert tensor whole) or, for what is sent, by PEFT's state-dict
+    names."""
 
     factors: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]]  # θ's name -> (A, B)
     whole: dict[str, torch.nn.Parameter]  # θ's name -> the trained copy of a modules_to_save tensor
-    base: dict[str, torch.nn.Parameter]  # θ's name -> the adapted module's frozen base weight
+    base: dict[str, torch.nn.Parameter]  # θ's name -> the adapted parameter (frozen)
     scaling: dict[str, float]  # θ's name -> alpha / r of its module: ΔW = scaling · B A
     trained: dict[str, torch.nn.Parameter]  # PEFT's state-dict name -> parameter, in the model's order
 
     @classmethod
-    def of(cls, model: torch.nn.Module, names: dict[str, TensorInfo]) -> LoraWeights:
+    def of(cls, model: torch.nn.Module, theta: ModelView) -> LoraWeights:
         """The adapters and saved modules of ``model`` (the model inside a ``PeftModel``, whose
-        modules carry the LoRA layers) against θ's tensor names ``names``."""
+        modules carry the LoRA layers) against θ's tensors."""
         factors, whole, base, scaling = {}, {}, {}, {}
+        loaded = theta.loaded()
 
-        def stored(tensor: str) -> str:
-            name = checkpoint_name(tensor, names)
-            if name is None:
+        def held(tensor: str) -> str:
+            name = theta.key(tensor)
+            if name not in loaded:
                 raise ValueError(f"LoRA worker: the model's {tensor} is not a tensor of the global weights")
             return name
 
@@ -88,12 +89,16 @@ class LoraWeights:
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
                 if ADAPTER in getattr(module, "lora_embedding_A", {}):
                     raise ValueError(f"LoRA worker: {path}: LoRA on embeddings is not supported")
-                name = stored(f"{path}.weight")
+                # A ParamWrapper (target_parameters) adapts one parameter of the module it wraps; nested
+                # ones (two parameters of one module) sit at ``….base_layer``.
+                parameter = getattr(module, "parameter_name", "weight")
+                name = held(f"{unwrapped(path)}.{parameter}")
                 factors[name] = (module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight)
-                base[name], scaling[name] = module.get_base_layer().weight, float(module.scaling[ADAPTER])
+                base[name] = getattr(module.get_base_layer(), parameter)
+                scaling[name] = float(module.scaling[ADAPTER])
             elif isinstance(module, ModulesToSaveWrapper):
                 for tensor, param in module.modules_to_save[ADAPTER].named_parameters():
-                    whole[stored(f"{path}.{tensor}")] = param
+                    whole[held(f"{path}.{tensor}")] = param
         trained = {PEFT_PREFIX + n: p for n, p in model.named_parameters() if p.requires_grad}
         known = {id(p) for pair in factors.values() for p in pair} | {id(p) for p in whole.values()}
         if unknown := [n for n, p in trained.items() if id(p) not in known]:
@@ -102,8 +107,8 @@ class LoraWeights:
 
     def set_base(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """The base weights and the saved modules (weights and fp32 masters) from a global: a
-        checkpoint folder, or tensors in memory by θ's names."""
-        get = CheckpointReader(weights).get if isinstance(weights, str | Path) else weights.__getitem__
+        checkpoint folder (read as the model holds it), or tensors in memory by the model's names."""
+        get = ModelView.open(weights).get_loaded if isinstance(weights, str | Path) else weights.__getitem__
         with torch.no_grad():
             for name, param in self.base.items():
                 param.data.copy_(get(name).to(param.device, param.dtype))
@@ -127,7 +132,9 @@ class LoraWeights:
         """Δ = θ − θ_k = −(alpha / r)·B A of every adapted tensor, from the parameters as they are
         (in memory: a worker whose optimizer steps its parameters themselves)."""
         with torch.no_grad():
-            return {n: (b.float() @ a.float()).mul_(-self.scaling[n]) for n, (a, b) in self.factors.items()}
+            return {
+                n: lora_delta(a, b, self.base[n].shape).mul_(-self.scaling[n]) for n, (a, b) in self.factors.items()
+            }
 
     def masters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The fp32 master values of what trains, by PEFT's state-dict names. A collective under

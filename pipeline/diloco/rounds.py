@@ -11,17 +11,19 @@
                                               decided once, before any part of the round is written
     diloco/<variant>/rounds.json              every round's record
 
-Round 0 starts from θ0 itself. Every folder is written under a temporary name and renamed
-(``staged_dir``), so a global, a part or a delta that exists is whole: a re-run resumes after the
-last global that exists, with the outer state saved beside it. A round's members are recorded
-before its parts and a part names the members, payloads and split it was made of: a re-run
-aggregates the recorded members (not the payloads published since: a straggler's, a restarted
-worker's) and reuses a part only if it was made of exactly those, so a round killed at any point
-ends as it would have.
+Round 0 starts from θ0 itself, and every global is written in θ0's stored layout, the tensors
+transformers does not load (``mtp.*``) copied from it (``pipeline.merge.layout``). Every folder is
+written under a temporary name and renamed (``staged_dir``), so a global, a part or a delta that
+exists is whole: a re-run resumes after the last global that exists, with the outer state saved
+beside it. A round's members are recorded before its parts and a part names the members, payloads
+and split it was made of: a re-run aggregates the recorded members (not the payloads published
+since: a straggler's, a restarted worker's) and reuses a part only if it was made of exactly those,
+so a round killed at any point ends as it would have.
 
 Aggregation streams tensor by tensor: per trained tensor it holds θ's, the momentum buffer's,
 the output and the merge's working set (one worker's Δ at a time for the averages and Iso-C, a
-budgeted row block for the element-wise methods), never the R pseudo-gradients whole.
+budgeted row block for the element-wise methods), never the R pseudo-gradients whole. The workers' Δ
+are merged piece by piece (each expert's matrix alone), then the outer step runs on the stored tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pipeline.checkpoint import (
     MANIFEST,
     is_complete,
     read_manifest,
+    source_of,
     staged_dir,
     verify_checkpoint,
     write_json_atomic,
@@ -63,10 +66,9 @@ from pipeline.merge.io import (
     stream_checkpoint,
     write_index,
 )
+from pipeline.merge.layout import ModelView, Piece, assemble
 from pipeline.merge.registry import TensorContext
 from pipeline.merge.rules import choose
-from pipeline.models.families import stacked_experts
-from pipeline.models.loading import reader_as_loaded
 
 GLOBAL, DELTAS, OUTER, RECORDS, ABORT = "global", "deltas", "outer", "rounds.json", "abort.json"
 MEMBERS = "members.json"  # each round's workers, decided once
@@ -91,10 +93,14 @@ def global_dir(plan: DilocoPlan, r: int) -> Path:
     return Path(plan.init) if r == 0 else Path(plan.folder) / GLOBAL / str(r)
 
 
-def global_reader(plan: DilocoPlan, r: int) -> CheckpointReader:
-    """Global ``r`` with its fused experts read as the workers hold them: θ0 may store them in the
-    hub's layout; every later global is written in transformers' own."""
-    return reader_as_loaded(global_dir(plan, r)) if r == 0 else CheckpointReader(global_dir(plan, r))
+def global_reader(plan: DilocoPlan, r: int) -> ModelView:
+    """Global ``r`` as the workers hold it, whatever θ0's layout (every global is written in it)."""
+    return ModelView.open(global_dir(plan, r))
+
+
+def layout_meta(theta: ModelView) -> dict[str, Any]:
+    """What a global's manifest says of its tensors: its source, its layout and the carried tensors (θ's)."""
+    return {"source": str(source_of(theta.path)), "layout": theta.layout.summary(), "carried": theta.layout.carried}
 
 
 def delta_dir(plan: DilocoPlan, r: int, k: int) -> Path:
@@ -269,8 +275,8 @@ def aggregate_part(
     made_of = round_inputs(plan, r, workers)
     metas = [verify_checkpoint(delta_dir(plan, r, k)) for k in workers]
     step = _RoundStep(plan, r, workers, device, block_mb, worker_weights(plan, metas))
-    theta, stem = step.theta, "model" if plan.aggregators == 1 else f"model-part{s:03d}"
-    names = tensor_parts(theta.info, step.trained, plan.aggregators)[s]
+    stored, stem = step.theta.layout.stored, "model" if plan.aggregators == 1 else f"model-part{s:03d}"
+    names = tensor_parts(stored, step.trained, plan.aggregators)[s]
     made_of |= {"aggregators": plan.aggregators, "tensors": names}
     folder = parts_dir(plan, r) / str(s)
     if is_complete(folder):
@@ -278,14 +284,14 @@ def aggregate_part(
         if all(found.get(key) == value for key, value in made_of.items()):
             return found
     mine = set(names)
-    kept = {n: i for n, i in theta.info.items() if n in mine or (s == 0 and n not in step.trained)}
+    kept = {n: i for n, i in stored.items() if n in mine or (s == 0 and n not in step.trained)}
     out_plan = {n: TensorInfo(i.shape, torch.float32 if n in mine else i.dtype) for n, i in kept.items()}
     momentum = {n: TensorInfo(i.shape, torch.float32) for n, i in out_plan.items() if n in mine}
     momentum = momentum if step.outer.momentum else {}
     with staged_dir(folder) as tmp:
-        hashes, maps = write_stepped(tmp, theta, out_plan, mine, step, momentum, stem)
+        hashes, maps = write_stepped(tmp, step.theta.files, out_plan, mine, step, momentum, stem)
         payloads = sum(d.read(mine) for d in step.deltas)
-        theta_bytes = sum(theta.info[n].nbytes for n in mine)
+        theta_bytes = sum(stored[n].nbytes for n in mine)
         record = {
             "part": s,
             **made_of,
@@ -313,7 +319,8 @@ def write_stepped(
 ) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """The tensors of ``out_plan`` streamed into ``tmp``: those of ``stepped`` as ``step(name)``
     returns them, with the momentum buffer it returns into ``tmp/outer`` (planned by
-    ``momentum``; none when empty), the others as θ has them (frozen: the same in every worker).
+    ``momentum``; none when empty), the others as θ's files have them (frozen: the same in every worker;
+    tensors transformers does not load).
     Returns the files' sha256 and the weight map of each sub-folder."""
     written = stream_checkpoint(
         tmp,
@@ -363,24 +370,24 @@ def assemble_round(
             if len(set(weight_map.values())) > 1:  # several files: the index transformers reads
                 write_index(tmp / sub, weight_map, sum(part["sizes"].get(sub, 0) for part in parts))
         copy_aux_files(theta.aux_files(), tmp)
-        what = f"DiLoCo {plan.variant} global {r + 1}"
+        what, source = f"DiLoCo {plan.variant} global {r + 1}", source_of(theta.path)
         record = _record(plan, r, made_of, metas, theta, deltas, parts) | (notes or {})
-        record["tensors"] = check_complete(CheckpointReader(tmp).info, theta.info, what, str(theta.path))
+        record["tensors"] = check_complete(CheckpointReader(tmp).info, CheckpointReader(source).info, what, str(source))
         if began is not None:
             record["seconds"]["wall"] = round(time.perf_counter() - began, 4)
         write_json_atomic(tmp / "round.json", record)
-        write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant)
+        write_manifest(tmp, hashes, kind="diloco_global", round=r + 1, variant=plan.variant, **layout_meta(theta))
     shutil.rmtree(parts_dir(plan, r), ignore_errors=True)
     return record
 
 
 class _RoundStep:
-    """One trained tensor of a round: the workers' Δ merged by the method's rule, their drift
-    measured, the outer step taken; the seconds of each part summed over the tensors."""
+    """One trained tensor of a round: the workers' Δ merged by the method's rule piece by piece, their
+    drift measured, the outer step taken on the stored tensor; the seconds of each part summed over the
+    tensors."""
 
     def __init__(self, plan: DilocoPlan, r: int, workers: list[int], device: str, block_mb: int, weights):
         self.theta = global_reader(plan, r)
-        self.stacked = stacked_experts(global_dir(plan, r))
         self.deltas = [open_payload(delta_dir(plan, r, k), self.theta) for k in workers]
         self.trained = self.deltas[0].trained
         self.outer, self.previous = outer_of(plan.method), outer_state(plan, r)
@@ -391,12 +398,23 @@ class _RoundStep:
         self.seconds = {"drift": 0.0, "merge": 0.0, "outer": 0.0}
 
     def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """θ's new value and its momentum buffer, on the CPU."""
-        method, params = choose(name, self.rules)
-        readers = [d.delta(name) for d in self.deltas]
+        """θ's new stored tensor ``name`` and its momentum buffer, on the CPU."""
+        info = TensorInfo(self.theta.layout.stored[name].shape, torch.float32)
+        g = assemble(self.theta.layout.in_stored(name), info, self.merged, self.device)
+        clock = Clock()
+        value = self.theta.files.get(name).to(self.device, torch.float32)
+        previous = self.previous.get(name).to(self.device) if self.previous else None
+        buffer = self.outer.step(value, g, previous)
+        self.seconds["outer"] += clock.lap()
+        return value.cpu(), None if buffer is None else buffer.cpu()
+
+    def merged(self, piece: Piece) -> torch.Tensor:
+        """The workers' Δ of one piece merged by the method its rule names, their drift measured."""
+        method, params = choose((piece.name, piece.key), self.rules)
+        readers = [d.delta(piece.key) for d in self.deltas]
         inputs = TensorInputs(
-            name,
-            self.theta.info[name].shape,
+            piece.name,
+            piece.shape,
             readers,
             self.labels,
             device=self.device,
@@ -408,13 +426,9 @@ class _RoundStep:
             self.meter.add(list(inputs.block(i)))
         inputs.forget()
         self.seconds["drift"] += clock.lap()
-        g = merge_tensor(method, params, inputs, self.weights, TensorContext(name, self.seed, self.stacked(name)))
+        g = merge_tensor(method, params, inputs, self.weights, TensorContext(piece.name, self.seed))
         self.seconds["merge"] += clock.lap()
-        value = self.theta.get(name).to(self.device, torch.float32)
-        previous = self.previous.get(name).to(self.device) if self.previous else None
-        buffer = self.outer.step(value, g, previous)
-        self.seconds["outer"] += clock.lap()
-        return value.cpu(), None if buffer is None else buffer.cpu()
+        return g
 
 
 def worker_weights(plan: DilocoPlan, metas: list[dict[str, Any]]) -> torch.Tensor:
@@ -433,7 +447,7 @@ def _record(
     r: int,
     made_of: dict[str, Any],
     metas: list[dict[str, Any]],
-    theta: CheckpointReader,
+    theta: ModelView,
     deltas: list[Payload],
     parts: list[dict[str, Any]],
 ) -> dict:
@@ -445,7 +459,7 @@ def _record(
     inner step: with a ring, 2 (R − 1) / R of them sent by each worker (and as many received).
     ``made_of``: the workers and their payloads' digests."""
     workers = made_of["workers"]
-    fp32 = sum(4 * math.prod(theta.info[n].shape) for n in deltas[0].trained)
+    fp32 = sum(4 * math.prod(theta.layout.stored[n].shape) for n in deltas[0].trained)
     meter = DriftMeter(len(workers))
     meter.gram = sum(torch.tensor(part["gram"], dtype=torch.float64) for part in parts)
     seconds = {k: round(sum(part["seconds"][k] for part in parts), 4) for k in ("drift", "merge", "outer")}

@@ -1,6 +1,7 @@
 """A worker's weights as DiLoCo sees them, inside a live DeepSpeed engine: the fp32 master copy
 of every trained tensor (what the optimizer steps; bf16 weights would round Δ away), read and
-set by on-disk name, so pseudo-gradients and global checkpoints share the merge rules' names.
+set by the names the model holds them under (fused experts and all): the payload is written so, and
+the aggregator reads it and the globals through ``pipeline.merge.layout`` whatever θ0's layout.
 
 ZeRO stages 0–2 (every rank holds whole parameters). Reading a master copy is a collective
 under ZeRO-1/2 (each rank owns a slice): every rank calls these functions in the same order.
@@ -13,24 +14,13 @@ from typing import Any
 
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
-from transformers.core_model_loading import revert_weight_conversion
 
-from pipeline.merge.io import CheckpointReader
+from pipeline.merge.layout import ModelView
 
 
-def disk_names(model: Any) -> dict[str, torch.nn.Parameter]:
-    """The trained parameters by the name ``save_pretrained`` writes them under."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    on_disk = revert_weight_conversion(model, dict(params))
-    if {id(p) for p in on_disk.values()} != {id(p) for p in params.values()}:
-        # Qwen3.5-MoE: experts fused in memory, stored one by one. A worker's Δ and the global it
-        # loads would need the split and the fusion at every round: not done, so refused up front.
-        raise ValueError(
-            f"{type(model).__name__}: its checkpoint conversion does more than rename tensors (experts fused in "
-            "memory, stored one by one), which full-weight DiLoCo workers do not handle; train LoRA workers "
-            "(train.finetuning_type: lora) or use the MERIT flow"
-        )
-    return on_disk
+def trained_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+    """The trained parameters by the names the model holds them under."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
 def check_masters(params: dict[str, torch.nn.Parameter]) -> None:
@@ -58,11 +48,11 @@ def masters(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, torch.
 
 
 def set_weights(params: dict[str, torch.nn.Parameter], checkpoint: str) -> None:
-    """Set every trained parameter (and its master copy) from a checkpoint; the optimizer's
-    moments are left as they are (DiLoCo: each worker keeps its inner state across rounds)."""
-    reader = CheckpointReader(checkpoint)
+    """Set every trained parameter (and its master copy) from a checkpoint, read as the model holds it;
+    the optimizer's moments are left as they are (DiLoCo: each worker keeps its inner state across rounds)."""
+    theta = ModelView.open(checkpoint)
     with torch.no_grad():
         for name, param in params.items():
-            value = reader.get(name).to(param.device, torch.float32)
+            value = theta.get_loaded(name).to(param.device, torch.float32)
             safe_set_full_fp32_param(param, value)  # no-op when the optimizer steps the parameter itself
             param.data.copy_(value)

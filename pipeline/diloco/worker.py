@@ -51,8 +51,9 @@ from pipeline.diloco.rounds import (
     rounds_done,
     send,
 )
-from pipeline.diloco.weights import check_masters, disk_names, masters, set_weights
-from pipeline.merge.io import CheckpointReader, ShardedWriter, TensorInfo
+from pipeline.diloco.weights import check_masters, masters, set_weights, trained_parameters
+from pipeline.merge.io import ShardedWriter, TensorInfo
+from pipeline.merge.layout import ModelView
 from pipeline.train.curves import plot_loss
 from pipeline.train.lifetime import die_with_parent
 from pipeline.train.spec import BranchSpec
@@ -149,7 +150,7 @@ def write_payload(
         out.mkdir()
         with ShardedWriter(out, payload_plan(params, plan.compression), MAX_SHARD) as writer:
             for name, weights in masters(params):
-                delta = theta.get(name).float().sub_(weights)
+                delta = theta.get_loaded(name).float().sub_(weights)
                 previous = None if kept is None else residual.get(name, torch.zeros_like(delta))
                 payload, kept_residual = compress_with_feedback(name, delta, plan.compression, previous)
                 if kept is not None:
@@ -208,8 +209,8 @@ def main(job_path: str) -> None:
     branch = Branch.start(job.spec)
     launch_s = time.time() - psutil.Process().create_time()  # process start, imports, engine, resume
     peft, rank = branch.engine.peft, branch.rank.rank
-    lora = LoraWeights.of(branch.engine.model, CheckpointReader(plan.init).info) if peft is not None else None
-    params = disk_names(branch.engine.model) if lora is None else lora.trained
+    lora = LoraWeights.of(branch.engine.model, ModelView.open(plan.init)) if peft is not None else None
+    params = trained_parameters(branch.engine.model) if lora is None else lora.trained
     slow = plan.slow_workers.get(job.index, 1.0)
     check_masters(params)
     saved = branch.checkpointer.latest()

@@ -31,13 +31,12 @@ from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.eval.heldout import Heldout, eval_device, eval_digest, score_model, source_roles, summarise
 from pipeline.layout import DIAGNOSTICS, EVAL, run_models
-from pipeline.merge.adapter import AdapterReader
-from pipeline.merge.driver import _tied
+from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, embeddings_tied
 from pipeline.merge.inputs import rows_of
-from pipeline.merge.io import CheckpointReader, MergeInputError
+from pipeline.merge.io import MergeInputError
+from pipeline.merge.layout import ModelView
 from pipeline.models import load_model, load_processor
 from pipeline.models.adapter import is_adapter
-from pipeline.models.loading import reader_as_loaded
 
 FIGURES = ("sources", "max_examples_per_source", "barrier_points")  # eval settings that change the barrier
 ALL_PAIRS_UP_TO = 4  # branches; beyond, consecutive pairs only (K (K − 1) / 2 lines grow too fast)
@@ -122,9 +121,11 @@ def _toward(model: Any, target: Any, t: float) -> None:
 
 def distance(path: str | Path, base: str | Path) -> dict[str, float]:
     """‖θ − θ0‖₂ over every float tensor and its ratio to ‖θ0‖₂, streamed tensor by tensor (a LoRA
-    adapter's ΔW formed from its factors)."""
-    origin = reader_as_loaded(base)  # a hub θ0's experts in the layout its fine-tuned models hold
-    reader = AdapterReader(path, origin) if is_adapter(path) else CheckpointReader(path)
+    adapter's ΔW formed from its factors). Both sides are read as the model holds them
+    (``pipeline.merge.layout``): a θ0 stored as the hub stores it and a merge written otherwise compare
+    expert by expert."""
+    origin = ModelView.open(base)
+    reader = AdapterReader(path, origin) if is_adapter(path) else ModelView.open(path)
     shapes, base_shapes = _weights(reader), _weights(origin)
     if shapes != base_shapes:
         differ = sorted({name for name, _ in set(shapes.items()) ^ set(base_shapes.items())})
@@ -138,7 +139,11 @@ def distance(path: str | Path, base: str | Path) -> dict[str, float]:
     return {"l2": squared**0.5, "relative": (squared / base_squared) ** 0.5}
 
 
-def _weights(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
-    """The shapes of the float tensors by name; a tied ``lm_head`` (the embedding again) left out."""
-    tied = _tied(reader)
-    return {name: info.shape for name, info in reader.info.items() if info.dtype.is_floating_point and name not in tied}
+def _weights(reader: ModelView | AdapterReader) -> dict[str, tuple[int, ...]]:
+    """The shapes of the float tensors by key; a tied ``lm_head`` (the embedding again) left out."""
+    tied = embeddings_tied(reader.config()) and EMBEDDING in reader.info
+    return {
+        key: info.shape
+        for key, info in reader.info.items()
+        if info.dtype.is_floating_point and not (tied and key == LM_HEAD)
+    }

@@ -17,6 +17,7 @@ EXPORTS = {
     "CheckpointReader": "io",
     "MergeInputError": "io",
     "METHODS": "registry",
+    "ModelView": "layout",
     "MergeMethod": "registry",
     "TensorContext": "registry",
     "get_method": "registry",

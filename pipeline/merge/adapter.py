@@ -15,6 +15,11 @@ Per module, an adapter folder holds (PEFT's rule in brackets):
   plain ``<m>.bias`` or ``<m>.base_layer.bias``) and an embedding LoRA's saved base (``<m>.base_layer.weight``),
   plus τ where the module also has factors.
 - ``token_adapter.trainable_tokens_delta`` (``trainable_token_indices``): new values of those rows.
+- LoRA on a mixture of experts' fused expert tensors (``target_parameters``: ``mlp.experts.gate_up_proj``,
+  ``mlp.experts.down_proj``; PEFT's ``ParamWrapper``, nested ``…experts.base_layer.lora_A`` where it adapts
+  both): A (r·E × in), B (out × r·E), expert e's τ = s·B[:, e::E] A[e·r:(e+1)·r] [``ParamWrapper.
+  get_delta_weight``], formed for each expert's gate, up and down matrix apart, the pieces every merge method
+  combines (``pipeline.merge.layout``). Which parameter a factor pair adapts is read from its shapes.
 
 τ is formed row block by row block (rows of B times the whole A, which is small), so a merge holds one block of
 ΔW, never A and B apart: every method of the library combines ΔW. A tensor the adapter does not touch has τ = 0.
@@ -28,15 +33,17 @@ untied (``pipeline.merge.driver``). Two changes to the shared matrix (LoRA on bo
 ``lm_head``, on which PEFT's merge adds both, or twice with ``ensure_weight_tying``) are refused.
 
 **Refused**, naming the option: options whose merged weight is not θ0 plus such a τ (DoRA, KaSA, BD-LoRA) or
-that PEFT cannot merge (Arrow, aLoRA, QA-LoRA, ``layer_replication``, 3-D or nested ``target_parameters``), and
+that PEFT cannot merge (Arrow, aLoRA, QA-LoRA, ``layer_replication``, ``target_parameters`` other than 2-D
+weights and fused experts), and
 the initialisations that train from a changed base (PiSSA, OLoRA, CorDA, LoRA-GA: convert them first; LoftQ
 cannot be converted).
 
-The adapter names modules as the model's Python modules (``model.language_model.layers.0…``); Qwen2-VL /
-Qwen2.5-VL checkpoints, on the hub and as transformers saves them, name the same tensors ``model.layers.0…``
-and ``visual.…``, InternVL's ``language_model.model.layers.0…``: every spelling a model family declares
-(``pipeline.models.families``) is matched against θ0's names. (PEFT 0.21 itself does not map an adapter saved
-in the transformers-4 layout and merges nothing of it; ``pipeline.models.adapter`` passes it the mapping.)
+The adapter names modules as the model's Python modules (``model.language_model.layers.0…``), θ0 is read
+through its :class:`~pipeline.merge.layout.ModelView`, whose keys are those names whatever θ0's files call
+them (Qwen2.5-VL's ``model.layers.0…``, InternVL's ``language_model.model.layers.0…``); an adapter saved
+under an older module spelling (transformers 4's ``model.layers.0…``) is read through the family's
+``stored_as`` pairs too. (PEFT 0.21 itself does not map an adapter saved in the transformers-4 layout and
+merges nothing of it; ``pipeline.models.adapter`` passes it the mapping.)
 """
 
 from __future__ import annotations
@@ -50,8 +57,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pipeline.merge.io import DTYPES, CheckpointReader, MergeInputError, TensorInfo
-from pipeline.models.families import checkpoint_prefixes
+from pipeline.merge.io import DTYPES, MergeInputError
+from pipeline.merge.layout import ModelView
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -91,16 +98,6 @@ CHANGED_PARAMETER = {
     ".lora_B.bias": "bias",
     ".token_adapter.trainable_tokens_delta": "weight",
 }
-
-
-def checkpoint_name(module_tensor: str, names: dict[str, TensorInfo]) -> str | None:
-    """θ0's name of a module's tensor: as spelled, or in the checkpoint's layout."""
-    if module_tensor in names:
-        return module_tensor
-    for module, stored in checkpoint_prefixes():
-        if module_tensor.startswith(module) and (name := stored + module_tensor[len(module) :]) in names:
-            return name
-    return None
 
 
 def embeddings_tied(config: dict) -> bool:
@@ -145,10 +142,11 @@ def check_mergeable(config: dict, path: Path) -> None:
     # PEFT reads "pissa_niter_<k>" and "corda…" as prefixes
     if isinstance(init, str) and (kind := next((k for k in CHANGED_BASE_INITS if init.lower().startswith(k)), None)):
         raise AdapterError(f"{where}: init_lora_weights {init!r}: {CHANGED_BASE_INITS[kind]}")
-    if bad := [p for p in config.get("target_parameters") or [] if not p.endswith(".weight")]:
+    experts = tuple(f".{proj}" for proj in EXPERT_PARAMETERS)
+    if bad := [p for p in config.get("target_parameters") or [] if not p.endswith((".weight", *experts))]:
         raise AdapterError(
-            f"{where}: target_parameters {bad}: only 2-D .weight parameters are merged (a 3-D parameter's "
-            "experts are not)"
+            f"{where}: target_parameters {bad}: only 2-D .weight parameters and fused experts "
+            f"({', '.join(EXPERT_PARAMETERS)}) are merged"
         )
 
 
@@ -177,23 +175,39 @@ def adapted_parameters(path: str | Path) -> set[str]:
     return names
 
 
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # a fused experts module's 3-D parameters
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where one expert's matrix is in a ``ParamWrapper``'s factors: A's rows [e·r, (e+1)·r), B's columns
+    e, e + E, …, and B's rows from ``row`` on (the up half of ``gate_up_proj`` starts at inter)."""
+
+    expert: int
+    experts: int
+    rank: int
+    row: int = 0
+
+
 @dataclass(frozen=True)
 class LoraFactors:
     """One module's LoRA factors on a θ0 tensor: τ = scaling · B A (flattened for a conv), or scaling · (B A)ᵀ
-    for an embedding's ``lora_embedding_A`` / ``_B``."""
+    for an embedding's ``lora_embedding_A`` / ``_B``, or one expert's slice of them."""
 
     module: str  # the adapted module's path, as the adapter spells it
     a: str  # key of A
     b: str  # key of B
     scaling: float
     embedding: bool = False
+    expert: ExpertSlice | None = None
 
 
 class AdapterReader:
-    """An adapter over θ0 with a :class:`CheckpointReader`'s interface (θ0's tensor names and shapes, rows on
-    demand): ``reader(name)`` gives rows of τ where ``is_delta(name)``, else rows of the model's tensor."""
+    """An adapter over θ0 with a :class:`~pipeline.merge.layout.ModelView`'s interface (θ0's keys and
+    shapes, rows on demand): ``reader(key)`` gives rows of τ where ``is_delta(key)``, else rows of the model's
+    tensor."""
 
-    def __init__(self, path: str | Path, base: CheckpointReader):
+    def __init__(self, path: str | Path, base: ModelView):
         self.path, self.base = Path(path), base
         self.adapter_config = read_adapter_config(self.path)
         check_mergeable(self.adapter_config, self.path)
@@ -202,23 +216,28 @@ class AdapterReader:
             keys = list(self._file.keys())
         except (SafetensorError, OSError) as err:
             raise MergeInputError(f"{self.path / ADAPTER_WEIGHTS}: cannot read safetensors ({err})") from err
-        self.info = base.info
+        self.info, self.loaded = base.info, base.loaded()
         self.factors: dict[str, LoraFactors] = {}  # θ0's tensor name -> its module's factors
         self.bias: dict[str, tuple[str, float]] = {}  # θ0's bias name -> (lora_B.bias key, scaling)
         self.whole: dict[str, str] = {}  # θ0's tensor name -> key of the value stored whole
         self.tokens: dict[str, tuple[str, list[int]]] = {}  # θ0's tensor name -> (key, rows) of trainable tokens
         self.module_tensor: dict[str, str] = {}  # θ0's tensor name -> the adapter's spelling of it
-        self.embedding = checkpoint_name(EMBEDDING, self.info) if embeddings_tied(base.config()) else None
+        self.embedding = EMBEDDING if embeddings_tied(base.config()) and EMBEDDING in self.info else None
         self.unties = self.embedding is not None and self._unties(keys)
         for key in self._keys(keys):
             self._index(key, set(keys))
         self._cached: tuple[str, torch.Tensor] | None = None  # the last tensor's A (B for an embedding)
 
+    def key(self, module_tensor: str) -> str | None:
+        """θ0's key of a module's tensor as the adapter names it, None where θ0 has no such tensor."""
+        key = self.base.key(module_tensor)
+        return key if key in self.info else None
+
     def _unties(self, keys: list[str]) -> bool:
         """Whether PEFT's merge unties θ0's lm_head from the embedding: one of them is a module to save
         (``modules_to_save``: a copy of its own) and ``ensure_weight_tying`` does not keep them one."""
         whole = {_module_tensor(k) for k in keys if ".lora_" not in k and ".base_layer." not in k}
-        saved = LM_HEAD in whole or any(checkpoint_name(t, self.info) == self.embedding for t in whole)
+        saved = LM_HEAD in whole or any(self.key(t) == self.embedding for t in whole)
         return saved and not self.adapter_config.get("ensure_weight_tying")
 
     def _keys(self, keys: list[str]) -> list[str]:
@@ -227,7 +246,7 @@ class AdapterReader:
         if self.embedding is None or self.unties:
             return keys
         tensors = {_module_tensor(k) for k in keys}
-        if any(checkpoint_name(t, self.info) == self.embedding for t in tensors):
+        if any(self.key(t) == self.embedding for t in tensors):
             return [k for k in keys if _module_tensor(k) != LM_HEAD]
         return keys
 
@@ -237,9 +256,11 @@ class AdapterReader:
             return  # B is read with its A
         if ".lora_magnitude_vector" in inner:
             raise AdapterError(f"{self.path}: {key} is a DoRA magnitude: {REFUSED_OPTIONS['use_dora']}")
-        if ".base_layer.lora_" in inner:
+        if inner.endswith(".lora_A.weight") and (experts := self._experts_module(inner)) is not None:
+            self._index_experts(key, experts, keys)
+        elif ".base_layer.lora_" in inner:
             raise AdapterError(f"{self.path}: {key}: nested target_parameters (several parameters of one module)")
-        if inner.endswith(".lora_A.weight"):
+        elif inner.endswith(".lora_A.weight"):
             self._index_factors(key, inner.removesuffix(".lora_A.weight"), keys, embedding=False)
         elif inner.endswith(".lora_embedding_A"):
             self._index_factors(key, inner.removesuffix(".lora_embedding_A"), keys, embedding=True)
@@ -261,8 +282,47 @@ class AdapterReader:
         self._claim(self.factors, name, a_key)
         self.factors[name] = LoraFactors(module, a_key, b_key, self._scaling(module, rank, a_key), embedding)
 
+    def _experts_module(self, inner: str) -> str | None:
+        """The fused experts module (θ0's key prefix) whose parameters a ``ParamWrapper``'s A adapts (nested
+        wrappers add ``.base_layer``), or None."""
+        module = inner.removesuffix(".lora_A.weight")
+        while module.endswith(".base_layer"):
+            module = module.removesuffix(".base_layer")
+        module = self.base.key(module)
+        return module if any(f"{module}.{p}" in self.loaded for p in EXPERT_PARAMETERS) else None
+
+    def _index_experts(self, a_key: str, module: str, keys: set[str]) -> None:
+        """A ``ParamWrapper``'s factors on a fused expert tensor (experts, out, in), found by their shapes
+        (A (r·E × in), B (out × r·E)), indexed as one factor slice per expert matrix."""
+        b_key = f"{a_key[:-8]}B.weight"
+        if b_key not in keys:
+            raise AdapterError(f"{self.path}: {a_key} has no {b_key}")
+        a, b = (tuple(self._file.get_slice(k).get_shape()) for k in (a_key, b_key))
+        fits = [
+            f"{module}.{p}"
+            for p in EXPERT_PARAMETERS
+            if (info := self.loaded.get(f"{module}.{p}")) is not None
+            and len(a) == len(b) == 2
+            and a[1] == info.shape[2]
+            and b[0] == info.shape[1]
+            and a[0] == b[1]
+            and a[0] % info.shape[0] == 0
+        ]
+        if len(fits) != 1:
+            shapes = {n: i.shape for n, i in self.loaded.items() if n.startswith(f"{module}.")}
+            raise AdapterError(f"{self.path}: LoRA factors A {a} and B {b} fit {len(fits)} of {module}'s {shapes}")
+        parameter, experts = fits[0], self.loaded[fits[0]].shape[0]
+        rank = a[0] // experts
+        scaling = self._scaling(parameter, rank, a_key, rank * experts)
+        for piece in self.base.layout.in_loaded(parameter):
+            self._claim(self.factors, piece.key, a_key)
+            slot = piece.loaded_slot
+            cut = ExpertSlice(slot.expert, experts, rank, slot.rows[0] if slot.rows else 0)
+            self.factors[piece.key] = LoraFactors(module, a_key, b_key, scaling, expert=cut)
+            self.module_tensor.setdefault(piece.key, parameter)
+
     def _index_lora_bias(self, key: str, module: str, keys: set[str]) -> None:
-        name = checkpoint_name(f"{module}.bias", self.info)
+        name = self.key(f"{module}.bias")
         if name is None:
             raise AdapterError(
                 f"{self.path}: {key}: lora_bias on {module}, whose θ0 module has no bias (PEFT cannot merge it)"
@@ -295,7 +355,7 @@ class AdapterReader:
         if self.embedding is not None and module_tensor == LM_HEAD:
             name = LM_HEAD if self.unties else self.embedding
         else:
-            name = checkpoint_name(module_tensor, self.info)
+            name = self.key(module_tensor)
         if name is None:
             raise AdapterError(f"{self.path}: {key} adapts {module_tensor}, which θ0 ({self.base.path}) does not have")
         self.module_tensor.setdefault(name, module_tensor)
@@ -337,8 +397,9 @@ class AdapterReader:
             )
         return a[0]
 
-    def _scaling(self, module: str, rank: int, a_key: str) -> float:
-        """PEFT's scaling of a module, after checking A's rank is the one the config gives it."""
+    def _scaling(self, module: str, rank: int, a_key: str, stored_rank: int | None = None) -> float:
+        """PEFT's scaling of a module (of a parameter, for ``target_parameters``: PEFT matches its patterns
+        against the parameter's path), after checking A's rank is the one the config gives it."""
         config = self.adapter_config
         ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
         r_key, alpha_key = pattern_key(ranks, module), pattern_key(alphas, module)
@@ -346,7 +407,10 @@ class AdapterReader:
         alpha = alphas[alpha_key] if alpha_key else config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
         if rank != r:
             where = f"rank_pattern[{r_key!r}]" if r_key else "r"
-            raise AdapterError(f"{self.path}: {a_key} has rank {rank}, but {ADAPTER_CONFIG} gives {module} {where} {r}")
+            stored = f" ({stored_rank} rows: one rank per expert)" if stored_rank else ""
+            raise AdapterError(
+                f"{self.path}: {a_key} has rank {rank}{stored}, but {ADAPTER_CONFIG} gives {module} {where} {r}"
+            )
         return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
     def _token_rows(self, module: str, key: str) -> list[int]:
@@ -374,8 +438,10 @@ class AdapterReader:
         return tuple(keys)
 
     def factor_shape(self, name: str) -> tuple[int, ...]:
-        """A's shape (rank × in) for θ0's tensor ``name``."""
-        return tuple(self._file.get_slice(self.factors[name].a).get_shape())
+        """A's shape (rank × in) for θ0's tensor ``name`` (one expert's rows of a ``ParamWrapper``'s A)."""
+        shape = tuple(self._file.get_slice(self.factors[name].a).get_shape())
+        cut = self.factors[name].expert
+        return shape if cut is None else (cut.rank, *shape[1:])
 
     def factor_dtype(self, name: str) -> torch.dtype:
         return DTYPES[self._file.get_slice(self.factors[name].a).get_dtype()]
@@ -414,16 +480,22 @@ class AdapterReader:
         return rows
 
     def _right(self, factors: LoraFactors) -> torch.Tensor:
-        """The factor every row block multiplies: A (r × in, a conv's kernel flattened), an embedding's Bᵀ."""
+        """The factor every row block multiplies: A (r × in, a conv's kernel flattened; an expert's r rows of
+        it), an embedding's Bᵀ."""
         if factors.embedding:
             return self.factor(factors.b).T
+        if (cut := factors.expert) is not None:
+            return self.factor(factors.a, cut.expert * cut.rank, (cut.expert + 1) * cut.rank)
         a = self.factor(factors.a)
         return a.reshape(a.shape[0], -1)
 
     def _left(self, factors: LoraFactors, start: int, stop: int) -> torch.Tensor:
-        """The rows of the other factor: B's (out × r), an embedding's Aᵀ (vocab × r: A's columns)."""
+        """The rows of the other factor: B's (out × r; an expert's columns e, e + E, …), an embedding's Aᵀ
+        (vocab × r: A's columns)."""
         if factors.embedding:
             return self._file.get_slice(factors.a)[:, start:stop].float().T
+        if (cut := factors.expert) is not None:
+            return self.factor(factors.b, cut.row + start, cut.row + stop)[:, cut.expert :: cut.experts]
         b = self.factor(factors.b, start, stop)
         return b.reshape(b.shape[0], -1)
 

@@ -1,5 +1,14 @@
 """The streaming merge driver: tensor by tensor over all inputs, with bounded memory.
 
+Every input is read through its :class:`~pipeline.merge.layout.ModelView`: the model's tensors by key, each
+expert's gate, up and down matrix a tensor of its own, whatever layout its files use. The output is written in
+θ0's stored layout (the first model's without one), tensor for tensor, with the tensors transformers does not
+load (``mtp.*``) copied from θ0 unchanged; it is checked to hold exactly the tensors of θ0's source (the model
+θ0 was trained from, as θ0's manifest records it). So a merge as transformers loads it does not depend on how
+θ0 and the branches were stored, and a per-matrix method (Iso-C, TSV) or an element-wise one (TIES' top-k,
+DARE's rescaling) sees each expert's matrix alone: one spectrum or one threshold over all experts would mix
+experts that never see the same tokens.
+
 Per tensor a merge holds its output, θ0's tensor and one input tensor at a time (the averages,
 Iso-C's mean, TSV's and Iso-CTS's per-task SVDs); element-wise methods (TIES, DARE, Fisher)
 hold K rows of a block whose fp32 size stays under ``block_bytes`` (``pipeline.merge.inputs``).
@@ -20,17 +29,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import pipeline.merge.methods  # noqa: F401  (registers the methods)
-from pipeline.checkpoint import staged_dir, write_manifest
-from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, checkpoint_name, embeddings_tied, untied_config
-from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of, tensor_reader
+from pipeline.checkpoint import source_of, staged_dir, write_manifest
+from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, embeddings_tied, untied_config
+from pipeline.merge.inputs import Reader, TensorInputs, Workspace, finite, rows_of
 from pipeline.merge.io import (
     CheckpointReader,
     MergeInputError,
@@ -39,10 +48,10 @@ from pipeline.merge.io import (
     copy_aux_files,
     stream_checkpoint,
 )
+from pipeline.merge.layout import InMemory, ModelView, Piece, assemble
 from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, get_method
 from pipeline.merge.rules import Rule, choose
 from pipeline.merge.spec import OUT_DTYPES, MergeSpec
-from pipeline.models.families import stacked_experts
 
 
 @dataclass
@@ -56,7 +65,7 @@ class MergeReport:
     write_seconds: float = 0.0
     total_seconds: float = 0.0
     threads: int = 0  # torch threads of the merge (pipeline.threads)
-    methods: dict[str, str] = field(default_factory=dict)  # tensor name -> method used
+    methods: dict[str, str] = field(default_factory=dict)  # tensor name (an expert's matrix: its own) -> method
 
     def summary(self) -> dict:
         counts: dict[str, int] = {}
@@ -102,13 +111,6 @@ def merged_task_vector(
     if method.is_linear:
         base_coefficient, coefficients = method.coefficients(weights, params)
         return inputs.combine(coefficients.tolist(), base_coefficient - 1.0)
-    if ctx.experts:
-        # A fused expert tensor is E matrices: a per-matrix method (Iso-C, TSV) spreads one spectrum
-        # over all experts' directions otherwise, and TIES's top-k and DARE's rescaling would compare
-        # experts that never see the same tokens. Each expert is merged alone, with its own seed.
-        weights = weights.to(inputs.device)
-        experts = [replace(ctx, name=f"{ctx.name}[{e}]", experts=False) for e in range(inputs.shape[0])]
-        return torch.stack([method.merge(inputs.expert(e), weights, c, params) for e, c in enumerate(experts)])
     return method.merge(inputs, weights.to(inputs.device), ctx, params)
 
 
@@ -120,9 +122,12 @@ def merge_state_dicts(
     seed: int = 0,
     device: str = "cpu",
     block_bytes: int = 1 << 30,
+    config: dict | None = None,
 ) -> dict[str, torch.Tensor]:
-    """In-memory merge (fp32 results). Without ``base`` the inputs are task vectors or DiLoCo
-    pseudo-gradients and the result is their merged update: nothing is written to disk."""
+    """In-memory merge (fp32 results, in the first input's layout). Without ``base`` the inputs are task
+    vectors or DiLoCo pseudo-gradients and the result is their merged update: nothing is written to disk.
+    With the model's ``config`` (as a dict) the tensors are read as a checkpoint's are: fused experts
+    merged matrix by matrix."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
     if len(weights) != len(models):
         raise ValueError(f"{len(models)} inputs but {len(weights)} weights")
@@ -130,51 +135,67 @@ def merge_state_dicts(
         raise ValueError(f"weights must be non-negative and sum to a positive number, got {weights.tolist()}")
     weights = (weights / weights.sum()).float()
     labels = [f"input {k}" for k in range(len(models))]
-    with_base = base is not None
-    dicts, dict_labels = [*models, *([base] if with_base else [])], [*labels, *(["base"] if with_base else [])]
-    _check_same_tensors([{n: TensorInfo(tuple(t.shape), t.dtype) for n, t in d.items()} for d in dicts], dict_labels)
+    views = [ModelView(InMemory(m), config or {}) for m in models]
+    theta0 = ModelView(InMemory(base), config or {}) if base is not None else None
+    readers = [*views, *([theta0] if theta0 is not None else [])]
+    _check_same_tensors(readers, [*labels, *(["base"] if theta0 is not None else [])])
     for rule in rules:  # a merge spec checks this when it is read; in memory (DiLoCo), here
         get_method(rule.method).check_inputs(len(models))
     workspace, out = Workspace(), {}
-    for name, first in models[0].items():
-        method, params = choose(name, rules)
-        if not first.dtype.is_floating_point:
-            out[name] = first.clone()  # integer buffers are copied, not merged
-            continue
+
+    def merged(piece: Piece) -> torch.Tensor:
+        method, params = choose((piece.name, piece.key), rules)
         if method.needs_fisher:
             raise ValueError("the fisher method needs Fisher files: use merge_checkpoints")
         inputs = TensorInputs(
-            name,
-            first.shape,
-            [tensor_reader(m[name]) for m in models],
+            piece.name,
+            piece.shape,
+            [v.reader(piece.key) for v in views],
             labels,
-            base=tensor_reader(base[name]) if base is not None else None,
+            base=theta0.reader(piece.key) if theta0 is not None else None,
             base_label="base",
             device=device,
             block_bytes=block_bytes,
             workspace=workspace,
         )
-        out[name] = merge_tensor(method, params, inputs, weights, TensorContext(name, seed))
+        return merge_tensor(method, params, inputs, weights, TensorContext(piece.name, seed))
+
+    first = views[0]
+    for name, info in first.files.info.items():
+        pieces = first.layout.in_stored(name)
+        if not info.dtype.is_floating_point or not pieces:
+            out[name] = models[0][name].clone()  # integer buffers and unloaded tensors are copied, not merged
+        else:
+            out[name] = assemble(pieces, TensorInfo(info.shape, torch.float32), merged)
     return out
 
 
-def _check_same_tensors(infos: Sequence[dict[str, TensorInfo]], labels: Sequence[str]) -> None:
-    """The same tensor names and shapes everywhere; float tensors may differ in float dtype
-    (merged in fp32), other tensors (integer buffers) must match exactly."""
-    reference, ref_label = infos[0], labels[0]
-    for info, label in zip(infos[1:], labels[1:]):
-        missing, extra = sorted(set(reference) - set(info)), sorted(set(info) - set(reference))
+def _check_same_tensors(readers: Sequence[Any], labels: Sequence[str]) -> None:
+    """The same tensors (keys) and shapes everywhere, whatever each input's layout; float tensors may
+    differ in float dtype (merged in fp32), other tensors (integer buffers) must match exactly. Messages
+    name a tensor as the input at fault stores it."""
+    reference, ref_label = readers[0], labels[0]
+    for reader, label in zip(readers[1:], labels[1:]):
+        missing = sorted(_as_stored(reference, k) for k in reference.info.keys() - reader.info.keys())
+        extra = sorted(_as_stored(reader, k) for k in reader.info.keys() - reference.info.keys())
         if missing or extra:
             raise MergeInputError(
                 f"{label}: tensor names differ from {ref_label}: missing {missing[:5]}, extra {extra[:5]}"
             )
-        for name, ref in reference.items():
-            other = info[name]
+        for key, ref in reference.info.items():
+            other = reader.info[key]
             floats = ref.dtype.is_floating_point and other.dtype.is_floating_point
             if other.shape != ref.shape or (other.dtype != ref.dtype and not floats):
                 raise MergeInputError(
-                    f"{label}: tensor {name} is {other.shape} {other.dtype}, but {ref.shape} {ref.dtype} in {ref_label}"
+                    f"{label}: tensor {_as_stored(reader, key)} is {other.shape} {other.dtype}, "
+                    f"but {ref.shape} {ref.dtype} in {ref_label}"
                 )
+
+
+def _as_stored(reader: Any, key: str) -> str:
+    """A piece's name as ``reader``'s files spell it (its key for an adapter or a piece it lacks)."""
+    layout = getattr(reader, "layout", None)
+    return layout.pieces[key].name if layout is not None and key in layout.pieces else key
 
 
 def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> MergeReport:
@@ -192,7 +213,7 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
         written = stream_checkpoint(
             tmp,
             run.plan,
-            lambda name: run.merge(name).to(run.plan[name].dtype),
+            run.stored,
             spec.max_shard_size,
             progress="merge" if progress else None,
         )
@@ -209,6 +230,9 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
             spec=spec.model_dump(mode="json"),
             report=report.summary(),
             parents=[str(r.path) for r in run.readers],
+            source=str(run.source),
+            layout=run.layout.summary(),
+            carried=run.layout.carried,
             **meta,
         )
     report.total_seconds = time.perf_counter() - start
@@ -220,127 +244,142 @@ class _CheckpointMerge:
 
     def __init__(self, spec: MergeSpec):
         self.spec, self.rules, self.weights = spec, spec.effective_rules, spec.normalized_weights()
-        self.base = CheckpointReader(spec.base_model) if spec.base_model else None
+        self.base = ModelView.open(spec.base_model) if spec.base_model else None
+        like = self.base.config() if self.base is not None else None  # the model of inputs without a config.json
         self.models = [
-            AdapterReader(e.adapter, self.base) if e.adapter else CheckpointReader(e.path) for e in spec.models
+            AdapterReader(e.adapter, self.base) if e.adapter else ModelView.open(e.path, like) for e in spec.models
         ]
         self.labels = [entry.source for entry in spec.models]
-        self.stacked = stacked_experts(spec.base_model or spec.models[0].path)
-        if self.base is not None:
-            self.base.transpose_experts(_other_layout(self.base.info, self.models[0].info, self.stacked))
         with_fisher = all(e.fisher for e in spec.models)
-        self.fishers = [CheckpointReader(entry.fisher) for entry in spec.models] if with_fisher else None
+        like = like or self.models[0].config()
+        self.fishers = [ModelView.open(entry.fisher, like) for entry in spec.models] if with_fisher else None
         self.readers = [r for r in (self.base, *self.models) if r is not None]
-        _check_same_tensors([r.info for r in self.readers], [str(r.path) for r in self.readers])
+        _check_same_tensors(self.readers, [str(r.path) for r in self.readers])
         if self.fishers:
             _check_fishers(self.fishers, self.models[0].info)
-        out_dtype = OUT_DTYPES.get(spec.out_dtype) if spec.out_dtype else None
+        self.out_dtype = OUT_DTYPES.get(spec.out_dtype) if spec.out_dtype else None
+        self.theta0 = self.base or self.models[0]  # the output's layout and its carried tensors
         base_tied = self.base is not None and embeddings_tied(self.base.config())
-        self.embedding = checkpoint_name(EMBEDDING, self.base.info) if base_tied else None
+        self.embedding = EMBEDDING if base_tied and EMBEDDING in self.base.info else None
         self.untied = self.embedding is not None and any(_own_lm_head(m) for m in self.models)
-        self.info = dict(self.models[0].info)  # the output's tensors
+        self.info = dict(self.models[0].info)  # the output's tensors, by key
+        self.layout = self.theta0.layout
+        self.lm_head = None  # the untied lm_head, where θ0's files have none
         if self.untied:
             self.info.setdefault(LM_HEAD, self.info[self.embedding])
-        tied = set() if self.untied else _tied(self.models[0])
-        self.plan = {
-            name: TensorInfo(
-                info.shape, (out_dtype or self._models_dtype(name)) if info.dtype.is_floating_point else info.dtype
-            )
-            for name, info in self.info.items()
-            if name not in tied
-        }
-        theta0 = self.base or self.models[0]
-        reference = {n: i for n, i in theta0.info.items() if n not in _tied(theta0)}
-        if self.untied:
-            reference[LM_HEAD] = self.info[LM_HEAD]  # PEFT's merged model of an untying adapter stores it
-        check_complete(self.plan, reference, f"merge {spec.out_path}", str(theta0.path))
+            if LM_HEAD not in self.layout.pieces:
+                self.lm_head = Piece(LM_HEAD, LM_HEAD, LM_HEAD, self.info[LM_HEAD].shape, LM_HEAD)
+        self.plan = {name: self._planned(name, info) for name, info in self.layout.stored.items()}
+        if self.lm_head is not None:
+            self.plan[LM_HEAD] = TensorInfo(self.lm_head.shape, self._dtype(self.lm_head))
+        source = source_of(self.theta0.path)
+        reference = dict(CheckpointReader(source).info)
+        if self.lm_head is not None:  # PEFT's merged model of an untying adapter stores it
+            reference[LM_HEAD] = self.plan[LM_HEAD]
+        check_complete(self.plan, reference, f"merge {spec.out_path}", str(source))
+        self.source = source
         self.report = MergeReport(out_path=spec.out_path)
         self.workspace = Workspace()
 
-    def _models_dtype(self, name: str) -> torch.dtype:
-        dtype = self._info(self.models[0], name).dtype
+    def _planned(self, name: str, info: TensorInfo) -> TensorInfo:
+        """A stored tensor of θ0's layout in the output: in the models' dtype (``out_dtype``), a carried one
+        or an integer buffer as θ0 has it."""
+        pieces = self.layout.in_stored(name)
+        if not pieces or not info.dtype.is_floating_point:
+            return info
+        return TensorInfo(info.shape, self._dtype(pieces[0]))
+
+    def _dtype(self, piece: Piece) -> torch.dtype:
+        """The output dtype of a piece: ``out_dtype``, or the models' (the wider one if they differ)."""
+        if self.out_dtype is not None:
+            return self.out_dtype
+        dtype = self._info(self.models[0], piece.key).dtype
         for reader in self.models[1:]:
-            dtype = torch.promote_types(dtype, self._info(reader, name).dtype)
+            dtype = torch.promote_types(dtype, self._info(reader, piece.key).dtype)
         return dtype
 
-    def source(self, reader: Any, name: str) -> str:
-        """The tensor of ``reader`` that makes the output's ``name``: in an untied merge, the lm_head of an
-        input still tied (θ0's too) is its embedding."""
-        if self.untied and name == LM_HEAD and not _own_lm_head(reader):
-            return self.embedding
-        return name
+    def piece(self, key: str) -> Piece:
+        """The output's piece ``key``."""
+        return self.lm_head if self.lm_head is not None and key == LM_HEAD else self.layout.pieces[key]
 
-    def _info(self, reader: Any, name: str) -> TensorInfo:
-        """Shape and dtype of the output's ``name`` in ``reader`` (an untying adapter's lm_head, which a θ0
+    def out_info(self, key: str) -> TensorInfo:
+        """The output's shape and dtype of piece ``key``."""
+        piece = self.piece(key)
+        return TensorInfo(piece.shape, self._dtype(piece))
+
+    def pieces(self, name: str) -> list[Piece]:
+        """The pieces a stored tensor of the output is made of."""
+        return [self.lm_head] if self.lm_head is not None and name == LM_HEAD else self.layout.in_stored(name)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The output's stored tensor ``name``: its pieces merged and assembled in θ0's layout, or θ0's
+        own where transformers does not load it (copied unchanged)."""
+        pieces = self.pieces(name)
+        if not pieces:
+            return self.theta0.files.get(name)
+        return assemble(pieces, self.plan[name], self.merge)
+
+    def source_key(self, reader: Any, key: str) -> str:
+        """The key of ``reader`` that makes the output's ``key``: the embedding for a tied lm_head that θ0
+        stores anyway, and in an untied merge for the lm_head of an input still tied (θ0's too)."""
+        if key == LM_HEAD and self.embedding is not None and (not self.untied or not _own_lm_head(reader)):
+            return self.embedding
+        return key
+
+    def _info(self, reader: Any, key: str) -> TensorInfo:
+        """Shape and dtype of the output's ``key`` in ``reader`` (an untying adapter's lm_head, which a θ0
         stored tied does not have, is its embedding's)."""
-        source = self.source(reader, name)
+        source = self.source_key(reader, key)
         return reader.info[source if source in reader.info else self.embedding]
 
-    def merge(self, name: str) -> torch.Tensor:
-        """θ's tensor ``name``. Where every input is an adapter that leaves it alone every τ_k is 0,
-        and so is the merged τ of every method: θ0's tensor is copied (at 7B most of the bytes)."""
-        method, params = choose(name, self.rules)
+    def merge(self, piece: Piece) -> torch.Tensor:
+        """θ's piece. Where every input is an adapter that leaves it alone every τ_k is 0, and so is the
+        merged τ of every method: θ0's tensor is copied (at 7B most of the bytes)."""
+        key = piece.key
+        method, params = choose((piece.name, key), self.rules)
         start, read_before = time.perf_counter(), self.report.read_seconds
-        shape = self.info[name].shape
-        if not self.info[name].dtype.is_floating_point:
-            merged = self.report.timed(self.models[0].reader(name))(0, rows_of(shape)[0]).reshape(shape)  # copied
-        elif not any(m.touches(self.source(m, name)) for m in self.models):
-            theta0 = self.base.reader(self.source(self.base, name))
-            merged, method = self.report.timed(theta0)(0, rows_of(shape)[0]).reshape(shape), None
+        if not self.info[self.source_key(self.models[0], key)].dtype.is_floating_point:
+            first = self.models[0]
+            merged = self.report.timed(first.reader(key))(0, rows_of(piece.shape)[0]).reshape(piece.shape)  # copied
+            method = None
+        elif not any(m.touches(self.source_key(m, key)) for m in self.models):
+            theta0 = self.base.reader(self.source_key(self.base, key))
+            merged = self.report.timed(theta0)(0, rows_of(piece.shape)[0]).reshape(piece.shape)
+            method = None
         else:
-            merged = merge_tensor(method, params, self.inputs(name, method), self.weights, self.context(name))
-        self.report.methods[name] = method.name if method else "base (no adapter changes it)"
+            merged = merge_tensor(method, params, self.inputs(piece, method), self.weights, self.context(piece))
+        self.report.methods[piece.name] = method.name if method else "θ0's (no input changes it)"
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
 
-    def inputs(self, name: str, method: MergeMethod) -> TensorInputs:
-        timed = self.report.timed
-        fishers = self._fishers_of(name) if method.needs_fisher else None
+    def inputs(self, piece: Piece, method: MergeMethod) -> TensorInputs:
+        timed, key = self.report.timed, piece.key
+        fishers = self._fishers_of(key) if method.needs_fisher else None
         return TensorInputs(
-            name,
-            self.info[name].shape,
-            [timed(m.reader(self.source(m, name))) for m in self.models],
+            piece.name,
+            piece.shape,
+            [timed(m.reader(self.source_key(m, key))) for m in self.models],
             self.labels,
-            base=timed(self.base.reader(self.source(self.base, name))) if self.base else None,
+            base=timed(self.base.reader(self.source_key(self.base, key))) if self.base else None,
             base_label=str(self.spec.base_model),
             device=self.spec.device,
             block_bytes=self.spec.block_mb << 20,
             workspace=self.workspace,
-            fishers=fishers and [timed(f.reader(self.source(f, name))) for f in fishers],
-            deltas=[m.is_delta(self.source(m, name)) for m in self.models],
+            fishers=fishers and [timed(f.reader(self.source_key(f, key))) for f in fishers],
+            deltas=[m.is_delta(self.source_key(m, key)) for m in self.models],
         )
 
-    def context(self, name: str) -> TensorContext:
-        return TensorContext(name, self.spec.seed, self.stacked(name))
+    def context(self, piece: Piece) -> TensorContext:
+        return TensorContext(piece.name, self.spec.seed)
 
-    def _fishers_of(self, name: str) -> list[CheckpointReader] | None:
+    def _fishers_of(self, key: str) -> list[ModelView] | None:
         """The Fisher files' values of a tensor: all of them, or none (a frozen tensor, averaged)."""
-        having = [f for f in self.fishers if self.source(f, name) in f.info]
+        having = [f for f in self.fishers if self.source_key(f, key) in f.info]
         if having and len(having) < len(self.fishers):
             lacking = next(f for f in self.fishers if f not in having)
+            name = self.piece(key).name
             raise MergeInputError(f"{lacking.path}: no Fisher values for tensor {name}, which other Fisher files have")
         return having or None
-
-
-def _other_layout(
-    base: dict[str, TensorInfo], model: dict[str, TensorInfo], stacked: Callable[[str], bool]
-) -> list[str]:
-    """θ0's fused expert tensors stored (experts, b, a) where the model stores (experts, a, b)."""
-    return [
-        name
-        for name, info in base.items()
-        if stacked(name)
-        and name in model
-        and len(info.shape) == 3
-        and info.shape != model[name].shape
-        and (info.shape[0], info.shape[2], info.shape[1]) == model[name].shape
-    ]
-
-
-def _tied(reader: CheckpointReader) -> set[str]:
-    """Names not to write: a tied ``lm_head.weight`` is the embedding matrix, merged once."""
-    stored = LM_HEAD in reader.info and checkpoint_name(EMBEDDING, reader.info) is not None
-    return {LM_HEAD} if embeddings_tied(reader.config()) and stored else set()
 
 
 def _own_lm_head(reader: Any) -> bool:

@@ -203,27 +203,6 @@ class TensorInputs:
         a, b = self.row_blocks[i]
         return self._read(self.base, self.base_label, a, b).reshape(-1)
 
-    def expert(self, e: int) -> TensorInputs:
-        """The inputs of expert ``e`` of a fused expert tensor (experts, out, in): its (out, in)
-        matrix in every input, read whole per block (one expert is one row of the fused tensor)."""
-
-        def of(reader: Reader) -> Reader:
-            return lambda start, stop: reader(e, e + 1).reshape(self.shape[1:])[start:stop]
-
-        return TensorInputs(
-            f"{self.name}[expert {e}]",
-            self.shape[1:],
-            [of(r) for r in self.inputs],
-            self.labels,
-            base=of(self.base) if self.base is not None else None,
-            base_label=self.base_label,
-            device=self.device,
-            block_bytes=self.block_bytes,
-            workspace=self.workspace,
-            fishers=[of(f) for f in self.fishers] if self.fishers is not None else None,
-            deltas=self.deltas,
-        )
-
     def forget(self) -> None:
         """Drop the kept block (after a method overwrote it): the next ``block`` reads again."""
         self._kept = None

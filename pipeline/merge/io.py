@@ -95,7 +95,6 @@ class CheckpointReader:
         self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}  # file -> (its bytes, data start, header)
         self.location: dict[str, Path] = {}
         self.info: dict[str, TensorInfo] = {}
-        self._transposed: set[str] = set()  # fused expert tensors read in the other layout
         for file in self.files:
             handle = self._open(file)
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
@@ -139,23 +138,13 @@ class CheckpointReader:
         """Whether this input may differ from θ0 in ``name``: a full checkpoint may differ anywhere."""
         return True
 
-    def transpose_experts(self, names: list[str]) -> None:
-        """Read these fused expert tensors (experts, a, b) as (experts, b, a). A Qwen3-VL-MoE
-        checkpoint from the hub stores each expert as (in, out); transformers 5 loads it transposed
-        and saves (out, in): a θ0 from the hub and the branches trained from it hold the same
-        experts in two layouts, merged in the branches'."""
-        for name in names:
-            experts, a, b = self.info[name].shape
-            self.info[name] = TensorInfo((experts, b, a), self.info[name].dtype)
-            self._transposed.add(name)
-
     def get(self, name: str) -> torch.Tensor:
         file = self.location[name]
         try:
             tensor = self._open(file).get_tensor(name)
         except (SafetensorError, OSError) as err:
             raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err
-        return tensor.transpose(1, 2).contiguous() if name in self._transposed else tensor
+        return tensor
 
     def reader(self, name: str):
         """Rows ``[start, stop)`` of tensor ``name`` as stored: only those bytes are read. The rows
@@ -163,7 +152,7 @@ class CheckpointReader:
         to them writes to a private copy, never to the file): copying them first, as
         ``get_slice`` does, was one more pass over every input."""
         file = self.location[name]
-        mapped = None if name in self._transposed else self._mapped(file, name)
+        mapped = self._mapped(file, name)
 
         def rows(start: int, stop: int) -> torch.Tensor:
             if mapped is not None:
@@ -171,8 +160,6 @@ class CheckpointReader:
             try:
                 if not self.info[name].shape:  # a scalar: one row of one entry
                     return self._open(file).get_tensor(name).reshape(1)[start:stop]
-                if name in self._transposed:  # whole experts, each transposed
-                    return self._open(file).get_slice(name)[start:stop].transpose(1, 2).contiguous()
                 return self._open(file).get_slice(name)[start:stop]
             except (SafetensorError, OSError) as err:
                 raise MergeInputError(f"{file}: cannot read tensor {name} ({err})") from err

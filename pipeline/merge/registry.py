@@ -40,12 +40,11 @@ def scale_field(default: float = 1.0):
 @dataclass(frozen=True)
 class TensorContext:
     """What a method may need beyond the task vectors: the tensor's name (for seeding and
-    messages), a seed, and whether the tensor stacks experts' matrices (``experts``: a fused
-    mixture-of-experts tensor (experts, out, in), which the driver merges expert by expert)."""
+    messages; an expert's matrix is a tensor of its own, ``…mlp.experts.<e>.gate_proj.weight``,
+    however its checkpoint stores it) and a seed."""
 
     name: str
     seed: int = 0
-    experts: bool = False
 
     def key(self, *parts: int) -> int:
         """A seed for (seed, tensor name, parts): results do not depend on tensor order."""

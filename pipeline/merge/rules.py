@@ -1,8 +1,10 @@
 """Per-tensor method choice: an ordered list of rules, the first whose pattern matches wins.
 
-Patterns are shell globs over the tensor names *as stored on disk* (the safetensors keys of a
-``save_pretrained`` folder, e.g. ``model.layers.3.mlp.up_proj.weight``, ``visual.merger.mlp.0.weight``),
-not the in-memory ``state_dict`` names, which differ for Qwen2.5-VL in transformers 5. A rule may
+Patterns are shell globs over a tensor's names: as θ0's files store it (e.g. Qwen2.5-VL's
+``model.layers.3.mlp.up_proj.weight``, ``visual.merger.mlp.0.weight``) or as the model's modules name it
+(``model.language_model.layers.3.mlp.up_proj.weight``); a rule matches either. An expert's matrix is a
+tensor of its own, ``…mlp.experts.<e>.gate_proj.weight`` (``up_proj``, ``down_proj``), whether its
+checkpoint stores it so or fused into ``…mlp.experts.gate_up_proj`` (``pipeline.merge.layout``). A rule may
 name a group instead of a pattern: each model family declares its groups (``embeddings``, ``lm_head``,
 ``vision_tower``, ``merger``, ``language_blocks``; ``experts`` and ``router`` for mixtures of experts) in
 ``pipeline.models.families``, and a group matches its tensors in every family.
@@ -59,9 +61,11 @@ def rules_for(method: str | None, params: dict[str, Any], rules: list[Rule] | No
     return [Rule(group="router", method="weighted_average"), Rule(pattern="*", method=method, params=params)]
 
 
-def choose(name: str, rules: list[Rule]) -> tuple[MergeMethod, MethodParams]:
+def choose(names: str | tuple[str, ...], rules: list[Rule]) -> tuple[MergeMethod, MethodParams]:
+    """The method of the first rule matching one of a tensor's ``names`` (as stored, as its module names it)."""
+    names = (names,) if isinstance(names, str) else names
     for rule in rules:
-        if rule.matches(name):
+        if any(rule.matches(name) for name in names):
             method = get_method(rule.method)
             return method, method.validate(rule.params)
-    raise ValueError(f"tensor {name}: no merge rule matches (add a catch-all rule with pattern '*')")
+    raise ValueError(f"tensor {names[0]}: no merge rule matches (add a catch-all rule with pattern '*')")

@@ -46,7 +46,6 @@ from pipeline.merge.adapter import (
     PEFT_PREFIX,
     AdapterError,
     AdapterReader,
-    checkpoint_name,
 )
 from pipeline.merge.driver import MergeReport, _CheckpointMerge, merged_task_vector
 from pipeline.merge.io import ShardedWriter, TensorInfo, aux_files, copy_aux_files
@@ -80,7 +79,7 @@ def merge_to_adapter(spec: MergeSpec, progress: bool = True, **meta: Any) -> Mer
     with staged_dir(spec.out_path) as tmp, ShardedWriter(tmp, plan, total + 1, stem=stem) as writer:
         for out in tqdm(outputs, desc="merge", unit="tensor", disable=not progress, leave=False):
             if out.kind == "whole":
-                tensors = [run.merge(out.name)]
+                tensors = [run.merge(run.piece(out.name))]
             elif out.kind == "lora_bias":
                 tensors = [_merged_delta(run, out.name)]
             else:
@@ -127,7 +126,7 @@ def _outputs(run: _CheckpointMerge) -> list[_Output]:
             module, dtype = lora_biases[name], out_dtype or _factors_dtype(run, name.removesuffix("bias") + "weight")
             tensors = {f"{PEFT_PREFIX}{module}.lora_B.bias": TensorInfo(info.shape, dtype)}
             outputs.append(_Output(name, "lora_bias", module, tensors))
-        elif (run.untied and name == LM_HEAD) or any(a.touches(run.source(a, name)) for a in run.models):
+        elif (run.untied and name == LM_HEAD) or any(a.touches(run.source_key(a, name)) for a in run.models):
             outputs.append(_whole_output(run, name, modules))
     if not outputs:
         raise AdapterError(f"the adapters {[str(a.path) for a in run.models]} change no tensor of θ0")
@@ -157,11 +156,13 @@ def _check_writable(run: _CheckpointMerge, name: str) -> None:
     """Refuse, naming the tensor, what a LoRA adapter over θ0 cannot hold as PEFT loads it."""
     if run.untied and name == LM_HEAD:
         return  # written whole, whatever the inputs did to it
-    sources = [(a, run.source(a, name)) for a in run.models]
+    sources = [(a, run.source_key(a, name)) for a in run.models]
     for a, source in sources:
         factors = a.factors.get(source)
         if source in a.tokens:
             why = f"replaces rows of {name} (trainable_token_indices)"
+        elif factors and factors.expert is not None:
+            why = f"adapts the fused experts of {factors.module} (target_parameters)"
         elif factors and (factors.embedding or len(run.info[name].shape) != 2):
             why = f"adapts {factors.module}, {'an embedding' if factors.embedding else 'a conv'}"
         elif source == a.embedding and _saved_whole(a, source) and not a.unties:
@@ -187,7 +188,7 @@ def _factored_modules(run: _CheckpointMerge) -> dict[str, str]:
 def _lora_biases(run: _CheckpointMerge, factored: dict[str, str]) -> dict[str, str]:
     """θ0's biases written as ``lora_B.bias`` -> their module: those of every adapted module when some input
     has lora_bias, every adapted module has a bias in θ0 and no input stores one of them whole; else none."""
-    biases = {module: checkpoint_name(f"{module}.bias", run.info) for module in factored.values()}
+    biases = {module: run.models[0].key(f"{module}.bias") for module in factored.values()}
     if not any(a.bias for a in run.models) or None in biases.values():
         return {}
     if any(_saved_whole(a, bias) for a in run.models for bias in biases.values()):
@@ -216,7 +217,7 @@ def _whole_output(run: _CheckpointMerge, name: str, adapted: set[str]) -> _Outpu
     spelled = LM_HEAD if name == LM_HEAD else next(a.module_tensor[name] for a in run.models if name in a.module_tensor)
     module, param = spelled.rsplit(".", 1)
     key = f"{PEFT_PREFIX}{module}.base_layer.{param}" if module in adapted else PEFT_PREFIX + spelled
-    return _Output(name, "whole", module, {key: run.plan[name]})
+    return _Output(name, "whole", module, {key: run.out_info(name)})
 
 
 def _saved_modules(run: _CheckpointMerge) -> list[str]:
@@ -236,7 +237,8 @@ def _merged_delta(run: _CheckpointMerge, name: str) -> torch.Tensor:
         return torch.zeros(run.info[name].shape)
     method, params = choose(name, run.rules)
     run.report.methods[name] = method.name
-    return merged_task_vector(method, params, run.inputs(name, method), run.weights, run.context(name))
+    piece = run.piece(name)
+    return merged_task_vector(method, params, run.inputs(piece, method), run.weights, run.context(piece))
 
 
 def _factors(run: _CheckpointMerge, name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -252,7 +254,8 @@ def _factors(run: _CheckpointMerge, name: str, rank: int) -> tuple[torch.Tensor,
             if name in a.factors
         ]
         return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs], dim=1), 0.0
-    delta = merged_task_vector(method, params, run.inputs(name, method), run.weights, run.context(name))
+    piece = run.piece(name)
+    delta = merged_task_vector(method, params, run.inputs(piece, method), run.weights, run.context(piece))
     u, s, vh = torch.linalg.svd(delta, full_matrices=False)
     energy = s.square()
     error = math.sqrt(energy[rank:].sum().item() / energy.sum().item()) if energy.sum() > 0 else 0.0

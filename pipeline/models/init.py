@@ -1,7 +1,9 @@
 """The ``init`` stage: θ0, the shared start every branch trains from.
 
 ``model.name_or_path: tiny`` builds the offline model into ``run_dir/init`` (a checkpoint with
-a manifest). Any other value names a Hugging Face id (resolved to its local snapshot) or a local
+a manifest), stored as the hub's checkpoints of its family are (Qwen3-VL-MoE's experts (in, out),
+Qwen3.5's ``mtp.*`` head beside the model): the run's source, whose layout every checkpoint the run
+writes keeps. Any other value names a Hugging Face id (resolved to its local snapshot) or a local
 folder, used in place: nothing is copied. θ0 is this base model, or the result of the joint
 warm-up (``pipeline.train.plan``) when ``warmup.steps`` > 0.
 """
@@ -14,10 +16,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_checkpoint
+from pipeline.checkpoint import is_complete, read_manifest
 from pipeline.config import RunConfig
 from pipeline.layout import base_path, is_tiny
+from pipeline.models.families import tiny_family
 from pipeline.models.loading import count_parameters, load_processor
+from pipeline.models.saving import save_as_hub
 from pipeline.models.tiny import build_tiny_model, build_tiny_processor
 
 
@@ -40,8 +44,18 @@ def init_model(cfg: RunConfig, run_dir: str | Path, force: bool = False) -> dict
         if force or not (is_complete(path) and read_manifest(path).get("config_digest") == digest):
             model, processor = build_tiny_model(cfg.model, cfg.run.seed)
             params = count_parameters(model)
-            save_pretrained_checkpoint(
-                path, model, processor, step=0, tokens_seen=0, parent=None, config_digest=digest, parameters=params
+            unloaded = tiny_family(cfg.model.name_or_path).tiny_unloaded
+            carried = unloaded(model, cfg.run.seed) if unloaded else {}
+            save_as_hub(
+                path,
+                model,
+                carried,
+                processor,
+                step=0,
+                tokens_seen=0,
+                parent=None,
+                config_digest=digest,
+                parameters=params,
             )
         params = read_manifest(path)["parameters"]
     else:

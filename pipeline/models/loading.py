@@ -11,9 +11,8 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from pipeline.checkpoint import MANIFEST, verify_checkpoint
 from pipeline.config import FreezeSection, ModelSection
-from pipeline.merge.io import CheckpointReader
 from pipeline.models.adapter import adapter_base, is_adapter, merge_adapter
-from pipeline.models.families import get_family, stacked_experts
+from pipeline.models.families import get_family
 from pipeline.models.families.shapes import pixel_bounds
 from pipeline.threads import fit_threads_to_model
 
@@ -32,20 +31,6 @@ def load_processor(name_or_path: str | Path, model_cfg: ModelSection) -> Any:
     model_type = model_config(name_or_path, model_cfg).model_type
     size = {"size": pixel_bounds(model_cfg)} if get_family(model_type, str(name_or_path)).pixel_bounds else {}
     return AutoProcessor.from_pretrained(str(name_or_path), trust_remote_code=model_cfg.trust_remote_code, **size)
-
-
-def reader_as_loaded(folder: str | Path) -> CheckpointReader:
-    """A checkpoint's tensors, its fused expert tensors read in the layout transformers loads them in.
-    Qwen3-VL-MoE on the hub stores each expert (in, out); transformers loads it, holds it and saves
-    it (out, in): what a run trains and writes is compared with θ0 in that layout."""
-    theta, stacked = CheckpointReader(folder), stacked_experts(folder)
-    fused = [n for n, i in theta.info.items() if stacked(n) and len(i.shape) == 3]
-    if fused:
-        with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(folder)))
-        held = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        theta.transpose_experts([n for n in fused if theta.info[n].shape != held[n]])
-    return theta
 
 
 def checkpoint_dtype(model_cfg: ModelSection, path: str | Path) -> torch.dtype:

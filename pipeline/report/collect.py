@@ -21,6 +21,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.controls import controls_of
 from pipeline.data.manifest import read_manifest as read_data_manifest
 from pipeline.eval.benchmarks import CONSTANT, constant_answers, model_tasks, read_scores
+from pipeline.hub import ModelNotFoundError
 from pipeline.layout import (
     BRANCHES,
     CALIBRATION,
@@ -33,10 +34,13 @@ from pipeline.layout import (
     MERGED,
     SEARCH_RESULT,
     WARMUP,
+    base_path,
     diloco_finals,
     model_paths,
     search_dir,
 )
+from pipeline.merge.io import MergeInputError
+from pipeline.merge.layout import ModelView
 from pipeline.merge.spec import ModelEntry
 
 KINDS = ("theta0", "branch", "joint", "merged", "diloco")  # the models' fixed order; a model's kind is its name prefix
@@ -116,6 +120,7 @@ class RunRecords:
     controls: list[Control]
     diloco: list[dict[str, Any]]  # diloco_runs
     search: dict[str, Any] = field(default_factory=dict)  # merit tune-merge's search.json ({}: none)
+    source: dict[str, Any] = field(default_factory=dict)  # the run's source checkpoint and its layout ({}: not here)
 
 
 def collect(run_dir: str | Path) -> RunRecords:
@@ -143,7 +148,19 @@ def collect(run_dir: str | Path) -> RunRecords:
         controls=controls,
         diloco=diloco_runs(run_dir),
         search=read_json(search_dir(run_dir, cfg.merge.search.merge) / SEARCH_RESULT),
+        source=source_layout(cfg, run_dir),
     )
+
+
+def source_layout(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """The model the run started from (every checkpoint it writes keeps its stored layout and its tensors
+    transformers does not load): its path, layout and carried tensors; {} on a machine without it."""
+    try:
+        path = base_path(cfg, run_dir)
+        view = ModelView.open(path)
+    except (ModelNotFoundError, MergeInputError, OSError):
+        return {}
+    return {"path": str(path), "layout": view.layout.summary(), "carried": view.layout.carried}
 
 
 def model_kind(name: str) -> str:

@@ -140,6 +140,7 @@ def run_facts(records: RunRecords) -> dict[str, Any]:
         "sources": list(active_sources(data)),
         "sources_by_role": dict(Counter(i.get("role", "finetune") for i in active_sources(data, None).values())),
         "dropped_sources": sorted(s for s, info in data["sources"].items() if info.get("dropped")),
+        "source": records.source,
     }
 
 

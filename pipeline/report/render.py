@@ -103,6 +103,8 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
         f"model `{run['model']}`; sources: {counts}{dropped}.",
     ]
+    if source := run.get("source"):
+        lines += ["", f"Every checkpoint is written in the stored layout of `{source['path']}`: {source['layout']}."]
 
     def section(title: str, *blocks: str) -> None:
         lines.extend(["", f"## {title}", ""])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pipeline.checkpoint import checkpoint_id, save_pretrained_checkpoint, write_json_atomic
 from pipeline.layout import WARMUP
+from pipeline.models.saving import save_like
 from pipeline.train.engine import Engine
 from pipeline.train.lora import lora_summary, merged_state
 from pipeline.train.spec import BranchSpec
@@ -98,11 +99,11 @@ class Checkpointer:
         dist.barrier()
 
     def save_final(self, trained: Engine, state: TrainState) -> None:
-        """The branch's ``final/``, written by rank 0: a full Hugging Face checkpoint in the engine's
-        dtype (bf16 where the branch trains in bf16), or a LoRA branch's PEFT adapter folder
-        (a LoRA warm-up's adapter merged into θ0's weights: θ0 is a model). Under ZeRO-3 the
-        partitions are gathered one module at a time onto rank 0's CPU memory, so no GPU ever
-        holds the whole model."""
+        """The branch's ``final/``, written by rank 0: a full checkpoint in the engine's dtype (bf16 where
+        the branch trains in bf16) in θ0's stored layout, the tensors transformers does not load copied
+        from θ0 (``pipeline.models.saving``), or a LoRA branch's PEFT adapter folder (a LoRA warm-up's
+        adapter merged into θ0's weights: θ0 is a model). Under ZeRO-3 the partitions are gathered one
+        module at a time onto rank 0's CPU memory, so no GPU ever holds the whole model."""
         meta = {
             "step": state.step,
             "tokens_seen": state.tokens_seen,
@@ -122,10 +123,13 @@ class Checkpointer:
         else:
             weights = self._gathered(None)
             if weights is not None and trained.peft is not None:
-                weights = merged_state(weights, self.spec.train.lora_scaling)
+                weights = merged_state(weights, trained.model)
         if self.rank == 0:
-            model = trained.peft if adapter else trained.model
-            save_pretrained_checkpoint(Path(self.spec.out_dir) / "final", model, trained.processor, weights, **meta)
+            final = Path(self.spec.out_dir) / "final"
+            if adapter:
+                save_pretrained_checkpoint(final, trained.peft, trained.processor, weights, **meta)
+            else:
+                save_like(final, trained.model, self.spec.init, trained.processor, weights, **meta)
         dist.barrier()
 
     def _gathered(self, params: dict[str, Any] | None) -> dict[str, Any] | None:

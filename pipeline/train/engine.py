@@ -147,11 +147,6 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
     zero3 = HfDeepSpeedConfig(config) if config.get("zero_optimization", {}).get("stage") == 3 else None
     with experts_transposed_by_full_shape() if zero3 is not None else nullcontext():
         model = load_for_training(spec)
-    if zero3 is not None:
-        # transformers' ZeRO-3 loader keeps every key conversion of the model's mapping, used or
-        # not, and an unused prefix change then renames the saved keys (model.model.*): saving
-        # with the model's default mapping, as for a model loaded without ZeRO-3, is right.
-        model.__dict__.pop("_weight_conversions", None)
     if spec.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft = apply_lora(model, spec.train, spec.init) if spec.train.finetuning_type == "lora" else None
@@ -167,4 +162,17 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
     engine, *_ = deepspeed.initialize(
         model=SupervisedLoss(model, spec.train.loss_chunk), optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
+    if zero3 is not None and int(os.environ.get("RANK", 0)) == 0:
+        print(f"branch {spec.name}: {partitioned(model, engine.zero_param_persistence_threshold())}", flush=True)
     return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3, peft)
+
+
+def partitioned(model: Any, threshold: int) -> str:
+    """Which tensors ZeRO-3 partitions across the ranks: those over its persistence threshold (the
+    others stay whole on every rank, gathered never; a tiny model's experts are below the default 1e5)."""
+    params = list(model.parameters())
+    split = [p for p in params if not getattr(p, "ds_persist", False)]
+    return (
+        f"ZeRO-3 partitions {len(split)} of {len(params)} tensors ({sum(p.ds_numel for p in split):,} of "
+        f"{sum(p.ds_numel for p in params):,} entries); those of at most {threshold:,} entries stay whole"
+    )

@@ -5,8 +5,9 @@ weights it saves.
 (``find_all_linear_modules``, then ``patch_target_modules``): every linear layer of the parts that
 train (``model.freeze``: the vision blocks only when the vision tower trains), never ``lm_head``,
 never the projector (``visual.merger``), whatever its freeze says, and never a mixture of experts'
-routing gates. Fused expert tensors (Qwen3-VL-MoE's ``mlp.experts.gate_up_proj``) are parameters,
-not linear layers: ``all`` leaves them to full fine-tuning. Names adapt the trainable
+routing gates. Fused expert tensors (``mlp.experts.gate_up_proj``, ``down_proj``) are parameters, not
+linear layers: ``all`` leaves them frozen, as LLaMA-Factory does; ``train.lora_target_parameters``
+adapts them (PEFT's ``target_parameters``: rank r per expert, A (r·E × in), B (out × r·E)). Names adapt the trainable
 linear layers whose path ends with one of them (PEFT's rule; LLaMA-Factory's substring match picks
 the same modules for whole names such as ``q_proj`` or ``mlp.0``), ``lm_head`` included when named.
 The adapter's base is θ0, never changed: ΔW = (alpha / rank) · B A per adapted module, which is
@@ -15,6 +16,7 @@ what the merge library combines.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -22,8 +24,30 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from pipeline.config import TrainSection
+from pipeline.merge.layout import FUSED
 from pipeline.models.families import get_family
 from pipeline.models.loading import parameter_groups
+
+ADAPTER = "default"  # the adapter name PEFT gives the one adapter of a branch
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """B A in fp32, of a weight of ``shape``: a fused expert tensor (experts, out, in) takes expert e's
+    A rows [e·r, (e+1)·r) and B columns e, e + E, … (PEFT's ``ParamWrapper``)."""
+    if len(shape) != 3:
+        return b.float() @ a.float()
+    experts = shape[0]
+    a3 = a.float().reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
+    b3 = b.float().reshape(b.shape[0], -1, experts)  # (out, rank, experts)
+    return torch.einsum("ore,eri->eoi", b3, a3)
+
+
+def unwrapped(path: str) -> str:
+    """A module's path without the ``.base_layer`` steps PEFT's nested wrappers add (``target_parameters``
+    on two parameters of one module: a ``ParamWrapper`` in a ``ParamWrapper``)."""
+    while path.endswith(".base_layer"):
+        path = path.removesuffix(".base_layer")
+    return path
 
 
 def _matches(module: str, name: str) -> bool:
@@ -76,6 +100,31 @@ def lora_targets(model: torch.nn.Module, t: TrainSection) -> list[str]:
     return chosen
 
 
+def lora_parameters(model: torch.nn.Module, t: TrainSection) -> list[str]:
+    """The paths of the fused expert tensors LoRA adapts (``train.lora_target_parameters``), trainable ones
+    only (an error names targets that match none)."""
+    if not t.lora_target_parameters:
+        return []
+    params = {name: p for name, p in model.named_parameters() if p.dim() == 3 and FUSED.match(name)}
+    if t.lora_target_parameters == "experts":
+        if not params:
+            raise ValueError("train.lora_target_parameters experts: the model has no fused expert tensors")
+        chosen = sorted(name for name, p in params.items() if p.requires_grad)
+    else:
+        unknown = [x for x in t.lora_target_parameters if not any(_matches(n, x) for n in params)]
+        if unknown:
+            raise ValueError(
+                f"train.lora_target_parameters {unknown} match no fused expert tensor; the model's: "
+                f"{sorted({n.rsplit('.', 1)[-1] for n in params})}"
+            )
+        chosen = sorted(
+            n for n, p in params.items() if p.requires_grad and any(_matches(n, x) for x in t.lora_target_parameters)
+        )
+    if not chosen:
+        raise ValueError("train.lora_target_parameters: the expert tensors it names do not train (model.freeze)")
+    return chosen
+
+
 def check_additional_targets(model: torch.nn.Module, t: TrainSection) -> None:
     modules = [name for name, _ in model.named_modules()]
     unknown = [x for x in t.additional_target if not any(_matches(n, x) for n in modules)]
@@ -93,6 +142,7 @@ def apply_lora(model: torch.nn.Module, t: TrainSection, base: str) -> PeftModel:
         lora_alpha=t.lora_scaling * t.lora_rank,
         lora_dropout=t.lora_dropout,
         target_modules=lora_targets(model, t),
+        target_parameters=lora_parameters(model, t) or None,
         modules_to_save=t.additional_target or None,
         base_model_name_or_path=base,
     )
@@ -108,8 +158,14 @@ def lora_summary(peft: PeftModel) -> dict[str, Any]:
     """What a LoRA branch trains, for its log and manifest."""
     config = peft.peft_config["default"]
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft.parameters() if p.requires_grad)
-    # The modules as adapted (PEFT may store a long target list as the shortest suffixes that match it).
-    modules = [n.removeprefix("base_model.model.") for n, m in peft.named_modules() if isinstance(m, LoraLayer)]
+    # The modules as adapted (PEFT may store a long target list as the shortest suffixes that match it); a
+    # fused expert tensor by its parameter's path.
+    modules = [
+        unwrapped(n.removeprefix("base_model.model."))
+        + (f".{m.parameter_name}" if hasattr(m, "parameter_name") else "")
+        for n, m in peft.named_modules()
+        if isinstance(m, LoraLayer)
+    ]
     return {
         "rank": config.r,
         "alpha": config.lora_alpha,
@@ -119,20 +175,32 @@ def lora_summary(peft: PeftModel) -> dict[str, Any]:
     }
 
 
-def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """A PEFT model's full state dict (``…q_proj.base_layer.weight``, ``…lora_A.default.weight``)
-    as the plain model's, each adapted weight W + scaling · B A: a LoRA warm-up's θ0."""
+def _adapted(path: str, layer: LoraLayer) -> str:
+    """What a LoRA layer adapts: its module, or the parameter a ``ParamWrapper`` wraps."""
+    parameter = getattr(layer, "parameter_name", None)
+    return f"{unwrapped(path)}.{parameter}" if parameter else path
+
+
+def merged_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A PEFT model's full state dict (``…q_proj.base_layer.weight``, ``…lora_A.default.weight``; a
+    fused expert tensor under its wrappers, ``…experts.base_layer.base_layer.gate_up_proj``) as the plain
+    model's, each adapted weight W + scaling · B A (per expert for a fused one): a LoRA warm-up's θ0.
+    ``model`` is the model carrying the LoRA layers, whose module paths the state's names follow."""
+    adapted = {}  # the state's name of an adapted weight -> its LoRA layer's path and the layer
+    for path, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            inner, depth = module.base_layer, 1
+            while isinstance(inner, LoraLayer):  # nested ParamWrappers: several parameters of one module
+                inner, depth = inner.base_layer, depth + 1
+            adapted[f"{path}{'.base_layer' * depth}.{getattr(module, 'parameter_name', 'weight')}"] = (path, module)
     out = {}
     for name, tensor in state.items():
-        if ".lora_" in name:
+        if ".lora_" in name or ".original_module." in name:
             continue
-        if name.endswith(".base_layer.weight"):
-            module = name.removesuffix(".base_layer.weight")
-            a, b = state[f"{module}.lora_A.default.weight"], state[f"{module}.lora_B.default.weight"]
-            delta = (b.float() @ a.float()).mul_(scaling)
-            out[f"{module}.weight"] = (tensor.float() + delta).to(tensor.dtype)
-        elif ".modules_to_save." in name:
-            out[name.replace(".modules_to_save.default.", ".")] = tensor
-        elif ".original_module." not in name:
-            out[name.replace(".base_layer.", ".")] = tensor
+        if name in adapted:
+            path, module = adapted[name]
+            a, b = state[f"{path}.lora_A.{ADAPTER}.weight"], state[f"{path}.lora_B.{ADAPTER}.weight"]
+            delta = lora_delta(a, b, tensor.shape).mul_(float(module.scaling[ADAPTER]))
+            tensor = (tensor.float() + delta).to(tensor.dtype)
+        out[re.sub(r"(\.base_layer)+\.", ".", name.replace(f".modules_to_save.{ADAPTER}.", "."))] = tensor
     return out

@@ -3,24 +3,47 @@
 A family module (``qwen2_5_vl.py``, ``qwen3_vl.py``, …) registers one :class:`Family` per
 ``model_type`` of a checkpoint's ``config.json``, as the merge methods register themselves. The
 stages ask the registry, never the architecture: freezing and LoRA's ``all`` (the parts, as
-LLaMA-Factory names them), merge rules (the groups, by on-disk tensor name), the merge of mixture-of-
-experts tensors (the fused expert tensors, merged expert by expert; the routers), lmms-eval's model
-class, and the offline tiny model (``model.name_or_path: tiny:<model_type>``).
+LLaMA-Factory names them), merge rules (the groups, by tensor name), how its checkpoints store the model's
+tensors (other prefixes than the modules', experts fused or one by one, tensors transformers does not load:
+``pipeline.merge.layout``), lmms-eval's model class, and the offline tiny model
+(``model.name_or_path: tiny:<model_type>``).
 docs/guides/adding-a-model-family.md says how to add one.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 TINY = "tiny"  # model.name_or_path of the offline Qwen2.5-VL; "tiny:<model_type>" for another family
 MODULES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl")  # the family modules, imported on first use
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts' expert matrices. transformers holds each layer's experts fused,
+    ``mlp.experts.gate_up_proj`` (experts, 2 × inter, hidden: gate rows, then up rows) and
+    ``mlp.experts.down_proj`` (experts, hidden, inter); checkpoints store them so, transposed, or one
+    matrix per expert (``mlp.experts.<e>.gate_proj.weight``), as ``pipeline.merge.layout`` reads them."""
+
+    # How the hub's checkpoints store them (and so the tiny model's files): fused as held, fused with
+    # each expert (in, out), or one by one.
+    hub: Literal["fused", "fused_in_out", "per_expert"]
+    # Whether transformers reads a fused tensor stored (experts, in, out), transposing it on load.
+    transposed: bool = False
+    # Whether transformers reads experts stored one matrix each, fusing them on load (its conversion
+    # mapping for Qwen2-MoE and the families built on it).
+    one_by_one: bool = True
+
+    @staticmethod
+    def dims(config: dict[str, Any]) -> tuple[int, int]:
+        """(inter, hidden) of the experts, from a checkpoint's ``config.json``."""
+        text = config.get("text_config") or config
+        return text["moe_intermediate_size"], text["hidden_size"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +54,8 @@ class Family:
     vision: str
     projector: tuple[str, ...]
     language: tuple[str, ...]
-    # Merge rules' groups (``pipeline.merge.rules``): shell globs over on-disk tensor names.
+    # Merge rules' groups (``pipeline.merge.rules``): shell globs over tensor names, as stored or as the
+    # modules name them (a rule matches either).
     groups: dict[str, tuple[str, ...]]
     # lmms-eval's model for a checkpoint of this family, and for θ0 + a LoRA adapter.
     lmms_model: str
@@ -49,8 +73,13 @@ class Family:
     # Module prefix -> on-disk prefix, where checkpoints store tensors under other names than the
     # modules' (transformers saves Qwen2.5-VL's ``model.language_model.`` as ``model.``).
     stored_as: tuple[tuple[str, str], ...] = ()
-    # Fused expert tensors (experts, out, in) on disk: a per-matrix method merges each expert alone.
-    stacked_experts: tuple[str, ...] = ()
+    # A mixture of experts' expert matrices (None: a dense model).
+    experts: Experts | None = None
+    # Globs of tensors its checkpoints store and transformers does not load (Qwen3.5's multi-token
+    # prediction head ``mtp.*``): carried unchanged into every checkpoint written from one.
+    unloaded: tuple[str, ...] = ()
+    # The tiny model's own such tensors, made as the hub's checkpoints hold them: (model, seed) -> tensors.
+    tiny_unloaded: Callable[[Any, int], dict[str, Any]] | None = None
     # Packed micro batches (pipeline.data.packed): the transformers class whose ``get_rope_index``
     # gives an example's 3-D (t, h, w) positions, None for 1-D positions; the vision tower's inputs
     # that depend on the images' grids alone (vision config, grid_thw) -> kwargs, computed by the
@@ -62,8 +91,25 @@ class Family:
     def routers(self) -> tuple[str, ...]:
         return self.groups.get("router", ())
 
-    def is_stacked_experts(self, name: str) -> bool:
-        return any(fnmatchcase(name, p) for p in self.stacked_experts)
+    def is_unloaded(self, name: str) -> bool:
+        return any(fnmatchcase(name, p) for p in self.unloaded)
+
+    def module_name(self, stored: str) -> str:
+        """A stored tensor's name as the model's modules spell it (the inverse of ``stored_as``); a name
+        already so spelled is kept."""
+        if any(stored.startswith(module) for module, _ in self.stored_as):
+            return stored
+        for module, prefix in self.stored_as:
+            if stored.startswith(prefix):
+                return module + stored[len(prefix) :]
+        return stored
+
+    def stored_name(self, module_tensor: str) -> str:
+        """A module's tensor under the name the hub's checkpoints (and ``save_pretrained``) store it."""
+        for module, prefix in self.stored_as:
+            if module_tensor.startswith(module):
+                return prefix + module_tensor[len(module) :]
+        return module_tensor
 
     def is_router(self, name: str) -> bool:
         return any(fnmatchcase(name, p) for p in self.routers)
@@ -113,17 +159,11 @@ def family_of_config(config: dict[str, Any], where: str = "") -> Family:
     return get_family(config.get("model_type", "?"), where)
 
 
-def stacked_experts(checkpoint: str | Path) -> Callable[[str], bool]:
-    """Which tensors of a checkpoint folder are fused experts, by its family; none where its model
-    type is not declared (a merge of any transformers checkpoint works, expert by expert only where
-    a family says so)."""
-    config = Path(checkpoint) / "config.json"
-    if config.is_file():
-        _load()
-        family = FAMILIES.get(json.loads(config.read_text()).get("model_type"))
-        if family is not None:
-            return family.is_stacked_experts
-    return lambda name: False
+def declared_family(config: dict[str, Any]) -> Family | None:
+    """The family of a checkpoint's ``config.json`` (as a dict), None where no family declares its
+    type (the merge library reads any transformers checkpoint, tensor by tensor as stored)."""
+    _load()
+    return FAMILIES.get(config.get("model_type"))
 
 
 def is_tiny_name(name_or_path: str) -> bool:
@@ -136,16 +176,9 @@ def tiny_family(name_or_path: str) -> Family:
     return get_family(model_type, f"model.name_or_path {name_or_path}")
 
 
-def checkpoint_prefixes() -> tuple[tuple[str, str], ...]:
-    """Every family's (module prefix, on-disk prefix) pairs: a module's tensor is looked up under each
-    spelling, and only one exists in a given checkpoint."""
-    _load()
-    return tuple(dict.fromkeys(pair for family in FAMILIES.values() for pair in family.stored_as))
-
-
 def group_patterns() -> dict[str, tuple[str, ...]]:
-    """Every family's merge-rule groups, united by name: tensor names never collide across families
-    (Qwen2.5-VL stores ``visual.…``, Qwen3-VL ``model.visual.…``), so one rule serves them all."""
+    """Every family's merge-rule groups, united by name: no tensor is in one group in one family and in
+    another group in another, so one rule serves them all."""
     _load()
     groups: dict[str, tuple[str, ...]] = {}
     for family in FAMILIES.values():

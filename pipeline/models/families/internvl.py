@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.models.families import Family, register
+from pipeline.models.families import Experts, Family, register
 from pipeline.models.families.shapes import text_widths
 
 PATCH = 14  # pixels per vision patch side
@@ -101,6 +101,9 @@ INTERNVL = register(
             "vision_tower": ("vision_tower.*",),
             "merger": ("multi_modal_projector.*",),
             "language_blocks": (f"{LM}.layers.*", f"{LM}.norm.*"),
+            # InternVL3.5-30B-A3B and 241B-A28B: a Qwen3-MoE language model, its experts stored one by one
+            "experts": (f"{LM}.layers.*.mlp.experts.*",),
+            "router": (f"{LM}.layers.*.mlp.gate.weight",),
         },
         stored_as=(
             ("model.language_model.", "language_model.model."),
@@ -108,6 +111,7 @@ INTERNVL = register(
             ("model.multi_modal_projector.", "multi_modal_projector."),
             ("lm_head.", "language_model.lm_head."),
         ),
+        experts=Experts(hub="per_expert"),
         lmms_model="merit_internvl",
         lmms_adapted="merit_internvl",
         tiny_config=tiny_config,

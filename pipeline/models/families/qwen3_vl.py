@@ -2,16 +2,18 @@
 ``model.visual.…``). The vision tower feeds the language model twice: through ``visual.merger`` (the
 projector) and through the DeepStack mergers (``visual.deepstack_merger_list``), which add features of
 intermediate vision blocks to the first decoder layers; LLaMA-Factory counts the DeepStack mergers as
-vision tower, so ``model.freeze`` does too. The MoE model stores each layer's experts fused,
-``mlp.experts.gate_up_proj`` (experts, hidden, 2 × inter) and ``mlp.experts.down_proj``
-(experts, inter, hidden), and its router as ``mlp.gate.weight`` (experts, hidden).
+vision tower, so ``model.freeze`` does too. The MoE model's hub checkpoints store each layer's experts
+fused with every expert (in, out): ``mlp.experts.gate_up_proj`` (experts, hidden, 2 × inter) and
+``mlp.experts.down_proj`` (experts, inter, hidden), which transformers transposes as it loads them (and
+``save_pretrained`` writes as loaded, (out, in)); its router is ``mlp.gate.weight`` (experts, hidden).
+The dense 2B and 4B tie the head to the embeddings; the 8B, 32B and the MoE models do not.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.models.families import Family, register
+from pipeline.models.families import Experts, Family, register
 from pipeline.models.families.shapes import grid_positions, mrope_sections, pixel_bounds, text_widths, vision_seqlens
 
 PATCH = 16  # pixels per vision patch side (Qwen2.5-VL: 14); 2 × 2 patches make one token
@@ -41,6 +43,7 @@ def moe_text_config(tiny: Any, ids: Any, vocab_size: int) -> dict[str, Any]:
         "num_experts_per_tok": tiny.experts_per_token,
         "moe_intermediate_size": tiny.moe_intermediate_size,
         "decoder_sparse_step": 1,  # every layer a mixture of experts
+        "tie_word_embeddings": False,  # as Qwen3-VL-30B-A3B and 235B-A22B
     }
 
 
@@ -65,12 +68,13 @@ def special_tokens(ids: Any) -> dict[str, int]:
 
 
 def composite(config_class: str, text: dict[str, Any], vision: dict[str, Any], ids: Any) -> Any:
-    """transformers' ``config_class`` of a Qwen model: its text and vision parts, the head tied, the
-    vision tokens' ids."""
+    """transformers' ``config_class`` of a Qwen model: its text and vision parts, the head tied as the
+    text part says, the vision tokens' ids."""
     import transformers
 
     config = getattr(transformers, config_class)
-    return config(text_config=text, vision_config=vision, tie_word_embeddings=True, **special_tokens(ids))
+    tied = text["tie_word_embeddings"]
+    return config(text_config=text, vision_config=vision, tie_word_embeddings=tied, **special_tokens(ids))
 
 
 def dense_config(tiny: Any, ids: Any, vocab_size: int) -> Any:
@@ -144,7 +148,7 @@ QWEN3_VL_MOE = register(
         groups=MOE_GROUPS,
         tiny_config=moe_config,
         rope_index="Qwen3VLMoeModel",
-        stacked_experts=(f"{LM}.layers.*.mlp.experts.gate_up_proj", f"{LM}.layers.*.mlp.experts.down_proj"),
+        experts=Experts(hub="fused_in_out", transposed=True, one_by_one=False),
         **COMMON,
     )
 )
