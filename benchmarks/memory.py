@@ -1,6 +1,7 @@
 """``merit bench memory``: the peak memory of every stage at a given width, each measured in a
 fresh process so that its peak is its own: calibration, training steps (the real branch trainer,
-DeepSpeed, one rank), Fisher, evaluation, and merges for several K.
+DeepSpeed, one rank), Fisher, evaluation, and merges for several K (``--stages`` picks some), with the
+seconds each took in its process (a merge: θ0 in the tiny model's layout, as the hub stores its family).
 
 On CPU two figures: the peak resident memory (ru_maxrss), and the peak anonymous resident memory
 (what the stage allocates itself). A model stage is counted by the first: transformers keeps
@@ -19,6 +20,7 @@ import argparse
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +38,19 @@ from pipeline.models import load_model, load_processor, processor_for
 from pipeline.models.families import tiny_family
 
 DEVICES_GB = (80, 141)  # A100 / H100 80 GB, H200
+STAGES = ("calibrate", "train", "fisher", "evaluate", "merge")
 
 
 def _measured(queue, stage, device: str, *args: Any) -> None:
     """Run ``stage(*args)`` in this (fresh) process; put its peaks on ``queue``."""
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
     with AnonymousPeak() as anon:
         stage(*args)
-    queue.put(
-        {"anon": anon.peak, "rss": max_rss(), "cuda": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
-    )
+    seconds = time.perf_counter() - began
+    cuda = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    queue.put({"anon": anon.peak, "rss": max_rss(), "cuda": cuda, "seconds": seconds})
 
 
 def _baseline() -> None:
@@ -145,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of merged branches")
     parser.add_argument("--methods", default="weighted_average,ties,dare,iso_c", help="comma-separated merge methods")
     parser.add_argument("--steps", type=int, default=4, help="training steps of the train stage")
+    parser.add_argument(
+        "--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)} (default: all)"
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -167,24 +174,29 @@ def main(args: argparse.Namespace) -> None:
     peaks = ["peak GPU MB"] if device == "cuda" else ["peak resident MB", "peak anonymous MB"]
 
     def row(name: str, measured: dict[str, float], counted: str, unit: float) -> list[Any]:
-        """Peaks, and the largest size (parameters, or entries of the largest tensor) that fits."""
+        """Peaks, the seconds, and the largest size (parameters, or entries of the largest tensor) that fits."""
         key = "cuda" if device == "cuda" else counted
         per_unit = max(measured[key] - baseline[key], 0) / unit
         fits = [f"{(gb * 1e9 - baseline[key]) / per_unit / 1e9:,.1f} B" if per_unit else "any" for gb in DEVICES_GB]
-        return [name, *(round(measured[k] / 2**20) for k in kinds), key, round(per_unit, 2), *fits]
+        seconds = round(measured["seconds"], 1) if "seconds" in measured else "-"
+        return [name, *(round(measured[k] / 2**20) for k in kinds), seconds, key, round(per_unit, 2), *fits]
 
-    models = [
-        ("calibrate", run_in_process(_measured, calibrate_stage, device, cfg, init, run, device)),
-        ("train steps (1 rank)", train_steps(cfg, run_dir, args.steps)),
-        ("fisher", run_in_process(_measured, _fisher, device, cfg, init, run, device)),
-        ("evaluate", run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
-    ]
+    stages = args.stages.split(",")
+    if unknown := sorted(set(stages) - set(STAGES)):
+        raise SystemExit(f"--stages {unknown}: not stages; the stages: {', '.join(STAGES)}")
+    measures = {
+        "calibrate": ("calibrate", lambda: run_in_process(_measured, calibrate_stage, device, cfg, init, run, device)),
+        "train": ("train steps (1 rank)", lambda: train_steps(cfg, run_dir, args.steps)),
+        "fisher": ("fisher", lambda: run_in_process(_measured, _fisher, device, cfg, init, run, device)),
+        "evaluate": ("evaluate", lambda: run_in_process(_measured, _evaluate, device, cfg, init, run, device)),
+    }
+    models = [(name, measure()) for stage, (name, measure) in measures.items() if stage in stages]
     fits = [f"fits {gb} GB up to" for gb in DEVICES_GB]
-    print(
-        format_table(
-            ["stage", *peaks, "counted", "bytes / param", *fits], [row(n, m, "rss", params) for n, m in models]
-        )
-    )
+    if models:
+        headers = ["stage", *peaks, "seconds", "counted", "bytes / param", *fits]
+        print(format_table(headers, [row(n, m, "rss", params) for n, m in models]))
+    if "merge" not in stages:
+        return
     # A merge holds a few tensors at a time: its memory scales with the largest tensor, not N.
     largest = max(math.prod(info.shape) for info in CheckpointReader(init).info.values())
     merges = []
@@ -195,6 +207,5 @@ def main(args: argparse.Namespace) -> None:
             measured = run_in_process(_measured, merge_stage, device, init, branches, method, out, device)
             merges.append(row(f"{method}, K={k}", measured, "anon", largest))
     print(f"merges (largest tensor: {largest / 1e6:,.1f} M entries, {4 * largest / 2**20:,.0f} MB in fp32):")
-    print(
-        format_table(["merge", *peaks, "counted", "bytes / largest entry", *(f"{f} (entries)" for f in fits)], merges)
-    )
+    headers = ["merge", *peaks, "seconds", "counted", "bytes / largest entry", *(f"{f} (entries)" for f in fits)]
+    print(format_table(headers, merges))
