@@ -30,7 +30,8 @@ GOLDEN = Path(__file__).parent / "golden"
 # `make test` runs the modules on 2 workers (pytest-xdist, a module per worker at a time): the
 # longest start first, so that neither worker is left with one of them while the other is idle.
 LONGEST_FIRST = ["test_prefect_server", "test_families_flow", "test_diloco", "test_flow", "test_shipped_3b"]
-LONGEST_FIRST += ["test_lora", "test_bench_quality", "test_train", "test_shipped_7b_lora", "test_diagnostics"]
+LONGEST_FIRST += ["test_lora", "test_bench_quality", "test_train", "test_shipped_7b_lora", "test_shipped_30b_a3b_lora"]
+LONGEST_FIRST += ["test_diagnostics"]
 LONGEST_FIRST += ["test_diloco_lora", "test_bench_tools", "test_benchmarks", "test_paper_benchmarks"]
 
 
@@ -102,6 +103,43 @@ def hub_snapshot(hf_home: Path, repo_id: str, files: Path, revision: str = "0123
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+SHIPPED_TASKS = ["colour_name", "colour_complement", "count_digits", "count_words"]
+
+
+def run_shipped_lora(config: Path, root: Path, snapshot: Path, *sizes: str) -> tuple[Path, list[str]]:
+    """A shipped LoRA config's merit flow with only sizes, paths and the device overridden: its θ0 the hub
+    snapshot under ``root/hf``, Vision-FLAN of the built-in tasks as its data, K = 2, no benchmarks (their
+    data is tests/test_shipped_3b.py's); ``sizes`` the config's own. Returns the run directory and the
+    overrides."""
+    from flows.merit import merit
+
+    annotation, images = vision_flan_corpus(root / "vision-flan", SHIPPED_TASKS, per_task=12)
+    settings = [
+        f"data.sources.0.path={annotation}",  # paths
+        f"data.sources.0.images_dir={images}",
+        f"train.deepspeed={Path(__file__).parent.parent}/configs/deepspeed/zero2.json",
+        "model.min_pixels=3136",  # sizes
+        "calibration.n_per_source=4",
+        "calibration.batch_size=2",
+        "calibration.r=1",  # K = 2
+        "train.grad_accum=2",
+        "train.loader_workers=1",
+        "eval.batch_size=4",
+        "eval.max_examples_per_source=2",
+        "eval.benchmarks=[]",
+        "flow.retry_delay_s=0",
+        *sizes,
+        "merge.device=cpu",  # the device
+    ]
+    run_dir = root / "run"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HOME", str(root / "hf"))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        state = merit(config=str(config), overrides=settings, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    return run_dir, settings
 
 
 def vision_flan_corpus(folder: Path, tasks: list[str], per_task: int, image_size: int = 56) -> tuple[Path, Path]:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hub_snapshot, vision_flan_corpus
+from conftest import hub_snapshot, run_shipped_lora
 from transformers import AutoModelForImageTextToText
 
-from flows.merit import merit
 from pipeline.config import load_config
 from pipeline.merge import CheckpointReader, ModelView
 from pipeline.models import build_tiny_model
@@ -24,29 +23,7 @@ from pipeline.models.saving import save_as_hub
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen3_vl_30b_a3b_lora.yaml"
-TASKS = ["colour_name", "colour_complement", "count_digits", "count_words"]
 FUSED = "model.language_model.layers.0.mlp.experts.gate_up_proj"
-
-
-def overrides(annotation: Path, images: Path) -> list[str]:
-    return [
-        f"data.sources.0.path={annotation}",  # paths
-        f"data.sources.0.images_dir={images}",
-        f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
-        "model.min_pixels=3136",  # sizes
-        "model.max_pixels=16384",
-        "calibration.n_per_source=4",
-        "calibration.batch_size=2",
-        "calibration.r=1",  # K = 2
-        "train.max_tokens=256",  # two or three of these tiny examples a packed micro batch
-        "train.grad_accum=2",
-        "train.loader_workers=1",
-        "eval.batch_size=4",
-        "eval.max_examples_per_source=2",
-        "eval.benchmarks=[]",
-        "flow.retry_delay_s=0",
-        "merge.device=cpu",  # the device
-    ]
 
 
 def theta0_snapshot(root: Path) -> Path:
@@ -63,13 +40,8 @@ def theta0_snapshot(root: Path) -> Path:
 def shipped(prefect_api, tmp_path_factory):
     root = tmp_path_factory.mktemp("shipped-30b-a3b-lora")
     snapshot = theta0_snapshot(root)
-    annotation, images = vision_flan_corpus(root / "vision-flan", TASKS, per_task=12)
-    run_dir, settings = root / "run", overrides(annotation, images)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HOME", str(root / "hf"))
-        env.setenv("HF_HUB_OFFLINE", "1")
-        state = merit(config=str(CONFIG), overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    # two or three of these tiny examples a packed micro batch
+    run_dir, settings = run_shipped_lora(CONFIG, root, snapshot, "model.max_pixels=16384", "train.max_tokens=256")
     return run_dir, snapshot, settings
 
 

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hub_snapshot, vision_flan_corpus
+from conftest import hub_snapshot, run_shipped_lora
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGeneration
 
-from flows.merit import merit
 from pipeline.checkpoint import read_manifest
 from pipeline.config import load_config
 from pipeline.merge import CheckpointReader
@@ -26,28 +25,6 @@ from pipeline.models.tiny import tiny_config
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen2_5_vl_7b_lora.yaml"
-TASKS = ["colour_name", "colour_complement", "count_digits", "count_words"]
-
-
-def overrides(annotation: Path, images: Path) -> list[str]:
-    return [
-        f"data.sources.0.path={annotation}",  # paths
-        f"data.sources.0.images_dir={images}",
-        f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
-        "model.min_pixels=3136",  # sizes
-        "model.max_pixels=12544",
-        "calibration.n_per_source=4",
-        "calibration.batch_size=2",
-        "calibration.r=1",  # K = 2
-        "train.max_tokens=128",  # two or three of these tiny examples a packed micro batch
-        "train.grad_accum=2",
-        "train.loader_workers=1",
-        "eval.batch_size=4",
-        "eval.max_examples_per_source=2",
-        "eval.benchmarks=[]",
-        "flow.retry_delay_s=0",
-        "merge.device=cpu",  # the device
-    ]
 
 
 def theta0_snapshot(root: Path) -> Path:
@@ -70,13 +47,8 @@ def theta0_snapshot(root: Path) -> Path:
 def shipped(prefect_api, tmp_path_factory):
     root = tmp_path_factory.mktemp("shipped-7b-lora")
     snapshot = theta0_snapshot(root)
-    annotation, images = vision_flan_corpus(root / "vision-flan", TASKS, per_task=12)
-    run_dir, settings = root / "run", overrides(annotation, images)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("HF_HOME", str(root / "hf"))
-        env.setenv("HF_HUB_OFFLINE", "1")
-        state = merit(config=str(CONFIG), overrides=settings, run_dir=str(run_dir), return_state=True)
-    assert state.is_completed(), state.message
+    # two or three of these tiny examples a packed micro batch
+    run_dir, settings = run_shipped_lora(CONFIG, root, snapshot, "model.max_pixels=12544", "train.max_tokens=128")
     return run_dir, snapshot, settings
 
 

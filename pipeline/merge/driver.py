@@ -338,14 +338,13 @@ class _CheckpointMerge:
         key = piece.key
         method, params = choose((piece.name, key), self.rules)
         start, read_before = time.perf_counter(), self.report.read_seconds
-        if not self.info[self.source_key(self.models[0], key)].dtype.is_floating_point:
-            first = self.models[0]
-            merged = self.report.timed(first.reader(key))(0, rows_of(piece.shape)[0]).reshape(piece.shape)  # copied
-            method = None
+        first = self.models[0]
+        if not self._info(first, key).dtype.is_floating_point:  # an integer buffer: copied
+            rows = first.reader(self.source_key(first, key))
+            merged, method = self.report.timed(rows)(0, rows_of(piece.shape)[0]).reshape(piece.shape), None
         elif not any(m.touches(self.source_key(m, key)) for m in self.models):
             theta0 = self.base.reader(self.source_key(self.base, key))
-            merged = self.report.timed(theta0)(0, rows_of(piece.shape)[0]).reshape(piece.shape)
-            method = None
+            merged, method = self.report.timed(theta0)(0, rows_of(piece.shape)[0]).reshape(piece.shape), None
         else:
             merged = merge_tensor(method, params, self.inputs(piece, method), self.weights, self.context(piece))
         self.report.methods[piece.name] = method.name if method else "θ0's (no input changes it)"
