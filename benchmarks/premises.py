@@ -114,7 +114,8 @@ def measure_interference(config: str, overrides: list[str], base: Path, folder: 
 
 def _heldout_accuracy(cfg: RunConfig, heldout: Heldout, checkpoint: Path, sources: list[str]) -> dict[str, float]:
     """Exact-match accuracy of a checkpoint on the held-out examples of ``sources``."""
-    from pipeline.eval.heldout import Heldout, eval_device, score_model
+    from pipeline.devices import eval_device
+    from pipeline.eval.heldout import Heldout, score_model
     from pipeline.models.loading import load_model, load_processor
 
     wanted = Heldout({s: heldout.examples[s] for s in sources}, {s: heldout.roles[s] for s in sources})

@@ -10,7 +10,14 @@ from prefect.logging import get_run_logger
 from flows import tasks
 from flows.slots import SlotPool
 from pipeline.config import RunConfig
-from pipeline.eval.benchmarks import CONSTANT, benchmark_slots, benchmarked, constant_answers, model_tasks
+from pipeline.eval.benchmarks import (
+    CONSTANT,
+    benchmark_slots,
+    benchmarked,
+    constant_answers,
+    model_tasks,
+    weights_bytes,
+)
 
 POLL_S = 2.0
 
@@ -26,7 +33,8 @@ class BenchmarkJobs:
         models = [m for m in models if benchmarked(cfg, m[1])]
         constant = [(run_dir, CONSTANT, constant_answers(run_dir))] if models and model_tasks(cfg, CONSTANT) else []
         self.total = sum(len(model_tasks(cfg, model)) for _, model, _ in constant + models)
-        self.pool = SlotPool(benchmark_slots(cfg, len(models)), self._submit)
+        weights = max((weights_bytes(checkpoint) for _, _, checkpoint in models), default=0)
+        self.pool = SlotPool(benchmark_slots(cfg, len(models), weights), self._submit)
         self.artifact = create_progress_artifact(0.0, key=key, description=f"{self.total} benchmark jobs")
         for model in constant:
             self.add(*model)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import prefect.runtime.flow_run
-import torch
 from prefect import flow
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
@@ -27,6 +26,7 @@ from flows.report import artifact_key, report
 from flows.slots import SlotPool
 from pipeline.config import RunConfig
 from pipeline.controls import control_of, controls_of
+from pipeline.devices import usable_gpus
 from pipeline.eval.heldout import evaluated
 from pipeline.layout import JOINT, WARMUP, init_path, run_models, start_run, training_dir
 from pipeline.threads import set_threads
@@ -42,13 +42,13 @@ def branch_slots(cfg: RunConfig, branches: int) -> list[list[int] | None]:
     on a deployment bring their own machines: all at once unless asked."""
     if cfg.flow.branch_deployment:
         return [None] * (cfg.flow.parallel_branches or branches)
-    gpus, per = torch.cuda.device_count(), cfg.train.processes
-    if gpus == 0:
+    gpus, per = usable_gpus(cfg), cfg.train.processes
+    if not gpus:
         return [None] * (cfg.flow.parallel_branches or 1)
-    fits = gpus // per
+    fits = len(gpus) // per
     if fits == 0:  # more ranks than GPUs: let the launcher see every GPU and say so
         return [None]
-    return [list(range(i * per, (i + 1) * per)) for i in range(min(cfg.flow.parallel_branches or fits, fits))]
+    return [gpus[i * per : (i + 1) * per] for i in range(min(cfg.flow.parallel_branches or fits, fits))]
 
 
 def branch_submitter(cfg: RunConfig) -> Callable[[Job, list[int] | None], PrefectFuture]:

@@ -526,6 +526,18 @@ class JudgeSection(Section):
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable that holds its key
     # a judged task with more failed judgements than this gets no score (lmms-eval would score them as numbers)
     max_failures: int = Field(0, ge=0)
+    # GPUs of this machine (as this process numbers them) that a local judge server holds: no branch,
+    # merge, evaluation or benchmark job is put on them.
+    gpus: list[int] = []
+
+
+class BenchmarkTaskSection(Section):
+    """One benchmark task's own settings (``eval.benchmark_tasks.<task>``), over the stage's."""
+
+    limit: int | None = Field(None, ge=1)  # examples (lmms-eval --limit); default eval.benchmark_limit
+    max_new_tokens: int | None = Field(None, ge=1)  # default: the task's own, capped by eval.benchmark_max_new_tokens
+    seed: int | None = None  # default run.seed
+    gen_kwargs: dict[str, int | float | str] = {}  # over eval.benchmark_gen_kwargs and the task's own
 
 
 class EvalSection(Section):
@@ -553,6 +565,14 @@ class EvalSection(Section):
     # Generation settings over every task's own (lmms-eval --gen_kwargs), e.g. {max_new_tokens: 64} for a
     # quick look: the scores are then not the benchmarks' as published.
     benchmark_gen_kwargs: dict[str, int | float | str] = {}
+    # The most new tokens of one answer, over a task's own (MathVista's YAMLs allow 16,384): a merge that
+    # rambles costs minutes, not the job's time limit. null: the tasks' own.
+    benchmark_max_new_tokens: int | None = Field(2048, ge=1)
+    # Tasks that sample (MM-Vet: temperature 0.2) are answered greedily, so that a job's recorded command
+    # gives its score again on any number of processes; false: as the task's YAML says.
+    benchmark_greedy: bool = True
+    # Settings of one task over the ones above, e.g. {mathvista_testmini_format: {limit: 200, max_new_tokens: 1024}}.
+    benchmark_tasks: dict[str, BenchmarkTaskSection] = {}
     benchmark_timeout_s: int = Field(6 * 3600, ge=1)  # one task of one model (a job); a job past it gets no score
     # lmms-eval processes per job, data-parallel (one per GPU). Default: on GPUs, the GPUs shared out
     # among the models to score (at least 1 each); on the CPU, 1.
@@ -565,6 +585,9 @@ class EvalSection(Section):
     @model_validator(mode="after")
     def _unique_benchmarks(self) -> EvalSection:
         require_unique(self.benchmarks, "eval.benchmarks task")
+        unknown = sorted(set(self.benchmark_tasks) - set(self.benchmarks))
+        if unknown:
+            raise ValueError(f"eval.benchmark_tasks names {unknown}, which eval.benchmarks does not run")
         return self
 
 

@@ -27,16 +27,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipeline.checkpoint import is_complete, read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
+from pipeline.devices import eval_device, usable_gpus
 from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_config
-from pipeline.eval.heldout import Heldout, eval_device, score_model, source_roles, summarise
+from pipeline.eval.heldout import Heldout, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
 from pipeline.merging import branch_finals, entry_spec, find_entry, group_tokens
 from pipeline.models import load_model, load_processor
+from pipeline.threads import threads_per_process
 
 STUDY = "study.db"
 TRIAL = "trial-"  # trial-<number>/: a trial's merge while it is scored
@@ -51,8 +51,8 @@ def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
 
 def worker_device(cfg: RunConfig, worker: int) -> str:
     """Where worker ``worker`` scores its trials: a GPU of its own when there are, else the CPU."""
-    gpus = torch.cuda.device_count()
-    return f"cuda:{worker % gpus}" if gpus and cfg.eval.device is None else eval_device(cfg)
+    gpus = usable_gpus(cfg)
+    return f"cuda:{gpus[worker % len(gpus)]}" if gpus and cfg.eval.device is None else eval_device(cfg)
 
 
 # transformers builds a model on the meta device under a context that patches torch globally: two
@@ -70,7 +70,10 @@ def dev_loss(cfg: RunConfig, checkpoint: Path, dev: Heldout, name: str, device: 
 def dev_score(cfg: RunConfig, run_dir: Path, checkpoint: Path, name: str, device: str) -> float:
     """The mean score of the dev tasks (lmms-eval jobs in ``eval/benchmarks/<name>/``)."""
     dev, scores = search_config(cfg), []
-    slot = Slot(1, (int(device.split(":")[1]),)) if device.startswith("cuda") else Slot()
+    gpus = usable_gpus(cfg)  # a trial's job per GPU at once: the CPUs shared out among them
+    slot = (
+        Slot(1, (int(device.split(":")[1]),), threads_per_process(len(gpus))) if device.startswith("cuda") else Slot()
+    )
     for task in cfg.merge.search.tasks:
         record = run_benchmark(dev, run_dir, name, str(checkpoint), task, slot)
         if "score" not in record:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.config import ConfigError, RunConfig
+from pipeline.devices import usable_gpus
 from pipeline.layout import base_path, is_tiny
 from pipeline.models.kernels import liger_unavailable
 
@@ -137,6 +138,9 @@ def _merges(cfg: RunConfig, run_dir: str | Path) -> str:
 
 def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
     gpus = torch.cuda.device_count()
+    held = cfg.eval.judge.gpus if cfg.eval.judge else []
+    if outside := [i for i in held if i >= gpus]:
+        raise ConfigError(f"eval.judge.gpus holds {outside}, but this process sees {gpus} GPU(s)")
     wanted = {"merge.device": cfg.merge.device, "eval.device": cfg.eval.device or ""}
     wanted |= {f"calibration.devices[{i}]": d for i, d in enumerate(cfg.calibration.devices or [])}
     for key, device in wanted.items():
@@ -144,8 +148,9 @@ def _devices(cfg: RunConfig, run_dir: str | Path) -> str:
             raise ConfigError(f"{key} is {device}, but this machine has {gpus} GPU(s)")
     # Branches on a deployment train on other machines; here they share this one's GPUs.
     here = not cfg.flow.branch_deployment
-    if gpus and here and cfg.train.processes > gpus:
-        raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {gpus} GPU(s)")
+    usable = len(usable_gpus(cfg))
+    if gpus and here and cfg.train.processes > usable:
+        raise ConfigError(f"train.processes is {cfg.train.processes}, but this machine has {usable} GPU(s) for it")
     if here and cfg.train.liger_kernel is True and (reason := liger_unavailable()):
         raise ConfigError(f"train.liger_kernel is true, but {reason}")
     attention = cfg.train.packed_attention if cfg.train.packing else None
@@ -200,4 +205,4 @@ def _benchmarks(cfg: RunConfig, run_dir: str | Path) -> str:
 def _diloco(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.diloco.plan import check_diloco
 
-    return check_diloco(cfg, torch.cuda.device_count())
+    return check_diloco(cfg, len(usable_gpus(cfg)))

@@ -44,7 +44,7 @@ from typing import IO
 # again in the child), and the test pytest runs (which would otherwise start a server a test).
 PER_JOB = frozenset(
     {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
-    | {"PYTEST_CURRENT_TEST"}
+    | {"PYTEST_CURRENT_TEST", "MERIT_PARENT_PID"}
 )
 IDLE_S = 120.0  # a server holds its imports' memory (≈ 1 GB) while it waits
 READY_TIMEOUT_S = 600.0
@@ -210,7 +210,7 @@ def _reaped() -> list[tuple[int, int]]:
 
 def _child(request: dict, out: int) -> None:
     """The forked job: a session of its own, dying with the server, then the module as __main__."""
-    from pipeline.train.lifetime import die_with_parent
+    from pipeline.train.lifetime import die_with_parent, parent_environment
 
     os.setsid()
     die_with_parent()
@@ -224,7 +224,7 @@ def _child(request: dict, out: int) -> None:
     sys.stderr.reconfigure(line_buffering=True)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request["env"] | parent_environment())  # this fork's parent is the server: asked above
     if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = [request["module"], *request["args"]]

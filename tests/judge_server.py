@@ -10,6 +10,9 @@ the base URL, MMBench posts to the URL it is given). Modes:
   the letter of the (longest) option whose text occurs in the answer, else Z; otherwise ``OK``.
 - ``fail``: every call answered HTTP 500 with an OpenAI-style error body.
 - ``flaky``: the 1st, 3rd, … calls fail as in ``fail``, the others as in ``good``.
+- ``empty``: every call answered, with empty content.
+- ``garbage``: every call answered with a sentence that holds no rating (``I cannot rate this.``).
+- ``range``: every call answered ``7``, a number outside MM-Vet's 0–1 correctness.
 
 ``answered=N``: the first N calls are answered as in ``good`` whatever the mode (a judge that
 passes preflight's one request, then goes down). ``mode`` may be changed while the server runs.
@@ -24,7 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pipeline.eval.scoring import token_f1
 
-MODES = ("good", "fail", "flaky")
+MODES = ("good", "fail", "flaky", "empty", "garbage", "range")
+UNUSABLE = {"empty": "", "garbage": "I cannot rate this.", "range": "7"}  # what the unusable modes answer
 ERROR = {"error": {"message": "the test judge is down", "type": "server_error", "param": None, "code": "down"}}
 # The two answers of a comparison: "[Assistant 1]\n…\n\n[End of Assistant 1]" (End lines optional).
 COMPARED = re.compile(
@@ -87,7 +91,8 @@ class JudgeServer:
             self.failed += fails
         if fails:
             return 500, ERROR
-        content = judgement(_prompt(body.get("messages", [])))
+        unusable = number > self.answered and self.mode in UNUSABLE
+        content = UNUSABLE[self.mode] if unusable else judgement(_prompt(body.get("messages", [])))
         return 200, {
             "id": f"chatcmpl-test-{number}",
             "object": "chat.completion",

@@ -11,28 +11,38 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import small_config
 from judge_server import JudgeServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from pipeline.checkpoint import sha256_file
 from pipeline.data.benchmark import CONSTANTS, TASKS_DIR, write_tasks
 from pipeline.eval.benchmarks import (
     CONSTANT,
     SCORE,
+    JobSettings,
     Slot,
     benchmark_dir,
     check_benchmarks,
     constant_answers,
+    job_settings,
+    kill_tree,
+    lmms_arguments,
     lmms_results,
     log_tail,
     read_scores,
     run_benchmark,
+    scoring_code,
 )
-from pipeline.eval.lmms_tasks import Headline, TaskPlan, plan_tasks, score
+from pipeline.eval.lmms_run import parse, task_manager
+from pipeline.eval.lmms_tasks import Headline, TaskPlan, detected_scale, plan_tasks, score
 from pipeline.eval.scoring import score as score_answer
+from pipeline.report.benchmarks import notes
 
 TASKS = ["toy_perception", "toy_reading", "toy_reasoning"]
 PARTS = ["toy_reasoning_direct", "toy_reasoning_steps"]
@@ -67,14 +77,15 @@ def hand_count(run_dir: Path, folder: Path, task: str) -> float:
 
 
 def test_each_job_scores_its_task_as_a_hand_count_of_lmms_evals_samples(jobs):
-    _, run_dir, records = jobs
+    cfg, run_dir, records = jobs
     for task in ("toy_perception", "toy_reading"):
         folder = benchmark_dir(run_dir, "theta0") / task
         lmms = json.loads(lmms_results(folder).read_text())  # lmms-eval's own, as it wrote it
         hand = hand_count(run_dir, folder, task)
         assert lmms["results"][task]["accuracy,none"] == pytest.approx(hand)
-        assert records[task]["score"] == {"metric": "accuracy,none", "value": hand, "score": 100 * hand, "examples": 12}
-    scores = read_scores(run_dir, "theta0", TASKS)
+        expected = {"metric": "accuracy,none", "value": hand, "scale": 100.0, "score": 100 * hand, "examples": 12}
+        assert records[task]["score"] == expected
+    scores = read_scores(cfg, run_dir, "theta0", str(run_dir / "init"))
     assert scores["average"] == pytest.approx(sum(s["score"] for s in scores["tasks"].values()) / 3)
     events = EventAccumulator(str(run_dir / "eval" / "tensorboard" / "theta0" / "benchmarks")).Reload()
     assert events.Scalars("benchmarks/average")[-1].value == pytest.approx(scores["average"])
@@ -105,13 +116,14 @@ def test_a_group_with_an_aggregate_is_scored_by_lmms_evals_own(jobs, tmp_path):
     record = run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), "toy_reasoning_mean")
     lmms = json.loads(lmms_results(benchmark_dir(run_dir, "theta0") / "toy_reasoning_mean").read_text())
     aggregate = lmms["groups"]["toy_reasoning_mean"]["accuracy,none"]
-    assert record["score"] == {"metric": "accuracy,none", "value": aggregate, "score": 100 * aggregate, "examples": 24}
+    expected = {"metric": "accuracy,none", "value": aggregate, "scale": 100.0, "score": 100 * aggregate, "examples": 24}
+    assert record["score"] == expected
 
 
 def test_the_recorded_command_run_as_written_redoes_the_job(jobs):
     _, run_dir, records = jobs
     record, folder = records["toy_reading"], benchmark_dir(run_dir, "theta0") / "toy_reading"
-    environment = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 USE_HUB_KERNELS=NO"
+    environment = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 USE_HUB_KERNELS=NO OMP_NUM_THREADS=1"
     assert record["command"].startswith(f"cd {folder} && {environment} python -m")
     assert "--seed 0" in record["command"] and record["command"].count("--include_path=") == 1
     first, answers = lmms_results(folder), [s["filtered_resps"] for s in samples_of(folder, "toy_reading")]
@@ -137,6 +149,9 @@ def test_a_current_job_is_not_run_again_and_a_changed_one_is(jobs, tiny_run):
         record["identity"]["gen_kwargs"] == {"max_new_tokens": 4}
         and "--gen_kwargs max_new_tokens=4" in record["command"]
     )
+    # What else a score depends on: this project's scoring code, the prompts' model, the judge (none here).
+    assert record["identity"]["code"] == scoring_code() and record["identity"]["prompts"] == "qwen2_5_vl"
+    assert record["identity"]["judge"] is None
     run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), "toy_reading")  # back to the fixture's
 
 
@@ -166,10 +181,13 @@ def test_a_job_past_its_time_limit_is_named_with_its_log_and_the_others_keep_the
     for task in TASKS[:2]:  # the first one scored in time, the second killed at 1 s
         settings = cfg if task == TASKS[0] else late
         run_benchmark(settings, run_dir, "late", str(run_dir / "init"), task)
-    record = json.loads((folder / TASKS[1] / SCORE).read_text())
+    failed = folder / f"{TASKS[1]}.failed"  # beside the task's folder, which only a score replaces
+    record = json.loads((failed / SCORE).read_text())
     assert record["error"] == "ran past eval.benchmark_timeout_s (1 s)" and "score" not in record
-    assert (folder / TASKS[1] / "lmms_eval.log").is_file()  # the folder is kept, whole
-    scores = read_scores(run_dir, "late", TASKS[:2])
+    assert (failed / "lmms_eval.log").is_file() and not (folder / TASKS[1]).exists()  # the attempt is kept, whole
+    scores = read_scores(
+        late.model_copy(update={"eval": late.eval.model_copy(update={"benchmarks": TASKS[:2]})}), run_dir, "late"
+    )
     assert set(scores["tasks"]) == {TASKS[0]} and scores["failed"][TASKS[1]]["error"] == record["error"]
     assert scores["average"] is None  # an average over some of the tasks compares nothing
     assert run_benchmark(cfg, run_dir, "late", str(run_dir / "init"), TASKS[1])["score"]  # a re-run retries it
@@ -215,7 +233,7 @@ def test_preflight_refuses_a_judged_task_without_a_judge_and_a_task_without_data
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("JUDGE_KEY", raising=False)
-    tasks = "eval.benchmarks=[ai2d, mmvet, toy_perception, no_such_task, mathvista_testmini]"
+    tasks = "eval.benchmarks=[ai2d, mmvet, toy_perception, no_such_task, mathvista_testmini, llava_wilder_small]"
     with pytest.raises(ValueError) as refused:
         check_benchmarks(small_config(tasks))
     message = str(refused.value)
@@ -224,6 +242,9 @@ def test_preflight_refuses_a_judged_task_without_a_judge_and_a_task_without_data
     assert "task 'mmvet': its data lmms-lab-encoder/MMVet is not in the Hugging Face cache" in message
     assert "task 'mathvista_testmini': its data AI4Math/MathVista is not" in message  # read through its tasks
     assert "lmms-eval has no task 'no_such_task'" in message and "toy_perception" not in message
+    # A task whose code calls a judge whose failures are not counted: lmms-eval would score them as numbers.
+    assert "task 'llava_wilder_small' is scored by a judge model its code calls, and only the failed" in message
+    assert "task 'mmvet' is scored by a judge model its code" not in message
 
     with JudgeServer("good") as judge:
         settings = f"eval.judge={{base_url: '{judge.base_url}', model: {judge.model}, api_key_env: JUDGE_KEY}}"
@@ -233,7 +254,7 @@ def test_preflight_refuses_a_judged_task_without_a_judge_and_a_task_without_data
             dataset_snapshot(tmp_path / "hf", repo)
         monkeypatch.setenv("JUDGE_KEY", "secret")
         cfg = small_config("eval.benchmarks=[ai2d, mmvet, toy_perception]", settings)
-        answered = f"judge {judge.model} at {judge.base_url} answered 'OK'"
+        answered = f"judge {judge.model} at {judge.base_url} answered '10 5 Scored by token overlap.'"
         assert check_benchmarks(cfg) == f"ai2d, mmvet, toy_perception; {answered}" and judge.calls == 1  # one request
         wrong = small_config("eval.benchmarks=[ai2d]", settings, "eval.benchmark_metrics={ai2d: anls}")
         with pytest.raises(ValueError, match=r"task 'ai2d': no headline metric among its metrics \['exact_match'\]"):
@@ -282,3 +303,136 @@ def test_mathvistas_none_at_zero_is_zero_only_when_every_sample_is_wrong():
     assert score(plan, results, {plan.name: wrong})["score"] == 0.0
     with pytest.raises(ValueError, match="has no value"):
         score(plan, results, {plan.name: [*wrong[:1], {"llm_as_judge_eval": {"true_false": True}}]})
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): sha256_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_failed_rerun_leaves_the_last_good_result_byte_for_byte_and_never_shows_it_as_current(jobs):
+    cfg, run_dir, records = jobs
+    theta0, folder = str(run_dir / "init"), benchmark_dir(run_dir, "theta0")
+    before = files_of(folder / "toy_reading")
+    changed = small_config(
+        f"eval.benchmarks=[{', '.join(TASKS)}]",
+        "eval.benchmark_tasks={toy_reading: {limit: 4}}",
+        "eval.benchmark_timeout_s=1",
+    )
+    record = run_benchmark(changed, run_dir, "theta0", theta0, "toy_reading")
+    assert record["error"] == "ran past eval.benchmark_timeout_s (1 s)" and record["identity"]["limit"] == 4
+    assert files_of(folder / "toy_reading") == before  # the earlier score, results and samples, untouched
+    assert json.loads((folder / "toy_reading.failed" / SCORE).read_text()) == record
+
+    scores = read_scores(changed, run_dir, "theta0", theta0)
+    assert "toy_reading" not in scores["tasks"] and scores["average"] is None
+    assert scores["failed"]["toy_reading"]["error"] == record["error"]
+    assert scores["stale"] == {"toy_reading": {"score": records["toy_reading"]["score"]["score"], "differs": ["limit"]}}
+    said = [line for line in notes({"theta0": scores}) if "toy_reading" in line]
+    assert said[0].startswith("theta0, `toy_reading`: no score: the re-run under this run's settings failed: ran past")
+    assert said[1].startswith("theta0, `toy_reading`: an earlier score") and "with another limit than" in said[1]
+    assert read_scores(cfg, run_dir, "theta0", theta0)["tasks"]["toy_reading"] == {
+        **records["toy_reading"]["score"],
+        "checkpoint_id": records["toy_reading"]["identity"]["checkpoint_id"],
+    }  # under the settings it was scored with, it is current again
+
+
+def test_a_killed_flow_leaves_no_process_of_its_benchmark_job(jobs):
+    """The flow's process killed while a data-parallel job's ranks run (torchrun, each rank in a
+    session of its own): none of them outlives it."""
+    _, run_dir, _ = jobs
+    script = (
+        "from pipeline.config import load_config; from pipeline.eval.benchmarks import Slot, run_benchmark\n"
+        "cfg = load_config(None, ['data.builtin.examples_per_source=12', 'eval.benchmarks=[toy_perception]',"
+        " 'data.builtin.benchmark_examples=12', 'eval.benchmark_batch_size=1'])\n"
+        f"run_benchmark(cfg, '{run_dir}', 'killed', '{run_dir / 'init'}', 'toy_perception', Slot(processes=2))\n"
+    )
+    flow = psutil.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, job = time.monotonic() + 120, []
+    while time.monotonic() < deadline and len([p for p in job if "lmms_run" in " ".join(_cmdline(p))]) < 3:
+        time.sleep(0.2)  # torchrun and its 2 ranks (lmms_run each) under the lifetime wrapper
+        job = flow.children(recursive=True)
+    assert len(job) >= 3, [_cmdline(p) for p in job]
+    flow.kill()
+    flow.wait()
+    survivors = job
+    while survivors and time.monotonic() < deadline:
+        time.sleep(0.2)
+        survivors = [p for p in survivors if _alive(p)]
+    assert survivors == [], [_cmdline(p) for p in survivors]
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_kill_tree_reaches_processes_in_sessions_of_their_own():
+    """A process group kill reaches one level of torchrun's tree; kill_tree every level."""
+    grandchild = "import subprocess, time; subprocess.Popen(['sleep', '60'], start_new_session=True); time.sleep(60)"
+    parent = psutil.Popen([sys.executable, "-c", grandchild], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while len(parent.children(recursive=True)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (sleeper,) = parent.children(recursive=True)
+    assert os.getsid(sleeper.pid) != os.getsid(parent.pid)
+    kill_tree(parent.pid)
+    parent.wait(10)
+    sleeper.wait(10)
+    assert not _alive(sleeper)
+
+
+def test_each_task_has_its_own_limit_seed_and_generation_caps_and_sampling_tasks_answer_greedily():
+    plan = TaskPlan("mathvista_like", (), (), None, max_new_tokens=16384, sampled=True)
+    short = TaskPlan("short", (), (), None, max_new_tokens=16)
+    cfg = small_config("eval.benchmarks=[mathvista_like, short]", "eval.benchmark_limit=50", "run.seed=3")
+    assert job_settings(cfg, plan) == JobSettings(50, 3, {"temperature": 0, "max_new_tokens": 2048})
+    assert job_settings(cfg, short) == JobSettings(50, 3, {})  # its own cap is lower: kept
+    own = "eval.benchmark_tasks={mathvista_like: {limit: 200, max_new_tokens: 1024, seed: 7, gen_kwargs: {top_p: 0.9}}}"
+    tuned = small_config("eval.benchmarks=[mathvista_like, short]", own, "eval.benchmark_greedy=false")
+    assert job_settings(tuned, plan) == JobSettings(200, 7, {"max_new_tokens": 1024, "top_p": 0.9})
+    argv = lmms_arguments(tuned, "qwen2_5_vl", {}, plan, "cpu", Path("out"), Slot(processes=2))
+    assert argv[argv.index("--limit") + 1] == "200" and argv[argv.index("--seed") + 1] == "7"
+    assert argv[argv.index("--gen_kwargs") + 1] == "max_new_tokens=1024,top_p=0.9"
+    assert argv[argv.index("--process_group_timeout_s") + 1] == str(6 * 3600)  # the job's own limit, not 10 min
+    with pytest.raises(ValueError, match=r"eval.benchmark_tasks names \['mmvet'\], which eval.benchmarks does not run"):
+        small_config("eval.benchmarks=[short]", "eval.benchmark_tasks={mmvet: {limit: 1}}")
+
+
+def test_qwen3_vl_models_get_a_tasks_qwen3_vl_prompts(tmp_path):
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": "Q?", "answer": "A"}) + "\n")
+    (tmp_path / "prompted.yaml").write_text(
+        f"task: prompted\ndataset_path: json\ndataset_kwargs: {{data_files: {tmp_path / 'data.jsonl'}}}\n"
+        "test_split: train\noutput_type: generate_until\ndoc_to_text: question\ndoc_to_target: answer\n"
+        "metric_list: [{metric: exact_match}]\n"
+        "lmms_eval_specific_kwargs: {default: {pre_prompt: 'plain '}, qwen3_vl: {pre_prompt: 'qwen3 '}}\n"
+    )
+    from lmms_eval.evaluator import get_task_dict
+
+    for model, prompt in [("merit_qwen3_vl", "qwen3 "), ("merit_qwen2_5_vl", "plain "), ("qwen2_5_vl", "plain ")]:
+        manager = task_manager(
+            parse(["--model", model, "--tasks", "prompted", f"--include_path={tmp_path}", "--output_path", "x"])
+        )
+        (task,) = get_task_dict(["prompted"], manager).values()
+        assert task.lmms_eval_specific_kwargs["pre_prompt"] == prompt, model
+
+
+def test_a_metrics_scale_is_read_from_its_own_aggregation_of_single_answers(tmp_path):
+    (tmp_path / "utils.py").write_text("def percent(items):\n    return 100 * sum(items) / len(items)\n")
+    (tmp_path / "scaled.yaml").write_text(
+        "task: scaled\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: question\n"
+        "metric_list:\n  - {metric: right, aggregation: mean}\n"
+        "  - {metric: percent, aggregation: !function utils.percent}\n"
+    )
+    samples = [{"right": 0.0, "percent": 0.0}, {"right": 1.0, "percent": 1.0}]
+    assert detected_scale(str(tmp_path / "scaled.yaml"), "right", samples) == 100.0  # a fraction: ×100
+    assert detected_scale(str(tmp_path / "scaled.yaml"), "percent", samples) == 1.0  # already in percent
+    assert detected_scale(str(tmp_path / "scaled.yaml"), "percent", samples[:1]) == 100.0  # all 0: 0 either way

@@ -94,8 +94,8 @@ def judge_down(prefect_api, judge, tmp_path_factory) -> tuple[Path, object, dict
     Returns the run, its state, its report and θ0's toy_chat job as they were then."""
     run_dir = tmp_path_factory.mktemp("flow") / "run"
     state = run_flow(run_dir, judged_by(judge))
-    job = run_dir / "eval" / "benchmarks" / "theta0" / "toy_chat"
-    assert (job / "lmms_eval.log").is_file()  # the failed job's folder is kept, whole
+    job = run_dir / "eval" / "benchmarks" / "theta0" / "toy_chat.failed"
+    assert (job / "lmms_eval.log").is_file()  # the failed job's folder is kept, whole, beside the task's
     report = json.loads((run_dir / "report" / "report.json").read_text())
     return run_dir, state, report, json.loads((job / "score.json").read_text())
 
@@ -187,6 +187,14 @@ def test_a_judge_down_costs_only_its_task_named_in_the_report_and_the_flow_fails
     for model in ("theta0", "joint", "merged-token_average", "random/merged-iso_c"):
         assert f"{model}, `toy_chat`: no score: 8 of 8 judgements by test-judge at {judge.base_url} failed" in notes
     assert job["judge_failures"] == 8 and "score" not in job and job["log_tail"]
+
+
+def test_the_judge_back_up_judges_the_logged_answers_again_without_generating_them(finished_run):
+    run_dir, _ = finished_run
+    folder = run_dir / "eval" / "benchmarks" / "theta0"
+    record = json.loads((folder / "toy_chat" / "score.json").read_text())
+    assert record["answers_from"] == str(folder / "toy_chat.failed") and "score" in record
+    assert "--model merit_stored_answers" in record["command"] and not (folder / "toy_chat.failed").exists()
 
 
 def test_the_report_opens_with_the_benchmarks_lmms_eval_scored_on_every_model(finished_run):
@@ -312,6 +320,29 @@ def test_a_rerun_redoes_nothing(finished_run, judge):
     assert len(before) >= 15
     assert run_flow(run_dir, judged_by(judge)).is_completed()
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in outputs} == before
+
+
+def test_a_failed_rerun_keeps_the_judged_results_byte_for_byte_and_the_report_names_it(finished_run, judge):
+    """The finished run again with toy_chat's limit changed and its judge failing after preflight:
+    toy_chat's jobs run again and fail; the earlier results stay as they were, and the report
+    shows no toy_chat score, naming the failed re-run and the earlier score left out."""
+    run_dir, _ = finished_run
+    folder = run_dir / "eval" / "benchmarks" / "theta0"
+    before = {f: f.read_bytes() for f in sorted((folder / "toy_chat").rglob("*")) if f.is_file()}
+    judge.mode, judge.answered = "fail", judge.calls + 1  # preflight's request answered, then every call fails
+    try:
+        state = run_flow(run_dir, judged_by(judge), "eval.benchmark_tasks={toy_chat: {limit: 4}}")
+    finally:
+        judge.mode = "good"
+    assert state.is_failed() and "theta0/toy_chat: 4 of 4 judgements by test-judge" in state.message
+    assert {f: f.read_bytes() for f in sorted((folder / "toy_chat").rglob("*")) if f.is_file()} == before
+    assert json.loads((folder / "toy_chat.failed" / "score.json").read_text())["identity"]["limit"] == 4
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    theta0 = next(r for r in report["benchmarks"]["rows"] if r["model"] == "theta0")
+    assert "toy_chat" not in theta0 and theta0["average"] is None and theta0["toy_perception"] is not None
+    notes = "\n".join(report["benchmarks"]["notes"])
+    assert "theta0, `toy_chat`: no score: the re-run under this run's settings failed: 4 of 4 judgements" in notes
+    assert "theta0, `toy_chat`: an earlier score" in notes and "scored with another limit than this run's" in notes
 
 
 def test_the_joint_flow_reuses_what_the_run_has_and_reports(finished_run, tmp_path):

@@ -27,6 +27,7 @@ from judge_server import MODES, JudgeServer
 from pipeline.config import JudgeSection
 from pipeline.eval.judge import (
     FALLBACK_MARKER,
+    bound_mmvet_retries,
     check_judge,
     failed_judgements,
     judge_environment,
@@ -91,7 +92,16 @@ def test_check_judge_gets_an_answer_from_a_working_judge(monkeypatch):
     monkeypatch.setenv(KEY_ENV, "sk-test")
     with JudgeServer("good") as server:
         said = check_judge(_judge(server.base_url))
-    assert server.calls == 1 and "'OK'" in said and MODEL in said
+    assert server.calls == 1 and "'10 5 Scored by token overlap.'" in said and MODEL in said
+
+
+@pytest.mark.parametrize("mode", ["empty", "garbage"])
+def test_check_judge_refuses_an_empty_or_unparsable_reply(monkeypatch, mode):
+    monkeypatch.setenv(KEY_ENV, "sk-test")
+    with JudgeServer(mode) as server, pytest.raises(ValueError) as refused:
+        check_judge(_judge(server.base_url))
+    wanted = "with empty content" if mode == "empty" else "without two ratings: 'I cannot rate this.'"
+    assert f"judge {MODEL} at {server.base_url} answered a test comparison {wanted}" == str(refused.value)
 
 
 def test_check_judge_quotes_the_servers_refusal(monkeypatch):
@@ -125,12 +135,12 @@ def lmms_runs(tmp_path_factory):
     once): mode → (server, the samples lmms-eval saved per task, its aggregates, its log)."""
     with ExitStack() as stack, ThreadPoolExecutor(len(MODES)) as pool:
         servers = {mode: stack.enter_context(JudgeServer(mode)) for mode in MODES}
-        done = {mode: pool.submit(_run_lmms_side, mode, servers[mode], tmp_path_factory) for mode in MODES}
+        outs = {mode: tmp_path_factory.mktemp(f"lmms-{mode}") for mode in MODES}  # the factory is not thread-safe
+        done = {mode: pool.submit(_run_lmms_side, mode, servers[mode], outs[mode]) for mode in MODES}
         return {mode: (servers[mode], *future.result()) for mode, future in done.items()}
 
 
-def _run_lmms_side(mode: str, server: JudgeServer, tmp_path_factory) -> tuple[dict, dict, str]:
-    out = tmp_path_factory.mktemp(f"lmms-{mode}")
+def _run_lmms_side(mode: str, server: JudgeServer, out: Path) -> tuple[dict, dict, str]:
     env = os.environ | {KEY_ENV: "sk-test"}
     command = [sys.executable, __file__, mode, server.base_url, str(out)]
     with (out / "lmms_eval.log").open("w") as log:
@@ -174,6 +184,20 @@ def test_every_judgement_fails_when_the_judge_does(lmms_runs):
     assert aggregates["llava_in_the_wild"] == 100.0
 
 
+def test_unusable_replies_are_failures_and_mmvets_tries_are_bounded(lmms_runs):
+    """An empty reply, one without a rating and a rating outside MM-Vet's 0–1: lmms-eval's MM-Vet
+    would score the second 0.0 under the judge's name and ask again forever for the third (the
+    fixture's lmms-eval side would never end). (A
+    MathVista extraction that is a sentence or a number reads as an answer: only an empty one is
+    a known failure.)"""
+    for mode in ("empty", "garbage", "range"):
+        _server, samples, _aggregates, _log = lmms_runs[mode]
+        failures = _failures(lmms_runs[mode])
+        assert [s["gpt_eval_score"]["eval_model"] for s in samples["mmvet"]] == ["", ""], mode
+        assert [failures[t] for t in ("mmvet", "llava_in_the_wild", "mmbench_en_dev")] == [2, 2, 2], mode
+        assert failures["mathvista_testmini_format"] == (2 if mode == "empty" else 0), mode
+
+
 def test_isolated_judge_errors_are_retried_not_counted(lmms_runs):
     # Every other call fails, and every judgement still gets its answer: lmms-eval (and the OpenAI
     # client under it) retry a failed call, so only a judge that keeps failing fails a judgement.
@@ -202,6 +226,7 @@ def _score_in_lmms_eval(mode: str, base_url: str, out: Path) -> None:
     from lmms_eval.utils import load_yaml_config
 
     mark_judge_fallbacks()
+    bound_mmvet_retries()
     tracker = EvaluationTracker(output_path=str(out))
     tracker.general_config_tracker.log_experiment_args(OUTPUT, f"pretrained={OUTPUT}", None, None, False)
     tracker.date_id = "2026-01-01T00-00-00"

@@ -15,7 +15,6 @@ from pipeline.checkpoint import is_complete, read_manifest, save_pretrained_chec
 from pipeline.layout import branch_dir, merged_dir
 from pipeline.merging import merge_run
 from pipeline.models import load_model, load_processor
-from pipeline.train.launch import visible_devices
 
 MERGES = "merge.methods=[{name: avg, method: weighted_average}, {name: iso, method: iso_c}]"
 
@@ -86,6 +85,3 @@ def test_branches_get_disjoint_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert branch_slots(small_config(), 3) == [None]
     assert branch_slots(small_config("flow.branch_deployment=merit-branch/gpu"), 3) == [None] * 3  # a machine each
-    assert visible_devices([2, 3], None) == "2,3"
-    assert visible_devices([0, 1], "4,5,6,7") == "4,5"  # indices into the caller's own visible set
-    assert visible_devices([1], "GPU-aa,GPU-bb") == "GPU-bb"

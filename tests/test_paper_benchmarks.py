@@ -16,8 +16,17 @@ from hub_datasets import write_paper_datasets
 from judge_server import JudgeServer
 
 from pipeline.config import load_config
-from pipeline.eval.benchmarks import SCORE, benchmark_dir, check_benchmarks, lmms_results, read_scores, run_benchmark
-from pipeline.eval.lmms_tasks import HEADLINES
+from pipeline.eval.benchmarks import (
+    SCORE,
+    benchmark_dir,
+    check_benchmarks,
+    lmms_results,
+    read_scores,
+    run_benchmark,
+    task_plans,
+)
+from pipeline.eval.lmms_tasks import HEADLINES, score
+from pipeline.eval.stored_answers import stored_answers
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen2_5_vl_3b.yaml"
@@ -70,7 +79,7 @@ def test_the_shipped_tasks_pass_preflight_and_each_gets_its_headline_score(paper
         paper.checked,
         paper.records,
     )
-    answered = f"judge {judge.model} at {judge.base_url} answered 'OK'"
+    answered = f"judge {judge.model} at {judge.base_url} answered '10 5 Scored by token overlap.'"
     assert checked == f"{', '.join(cfg.eval.benchmarks)}; {answered}"  # data in the hub cache, the judge answered
     assert shipped == [
         *("seedbench", "mmbench_en_dev", "ai2d", "textvqa_val", "mmmu_val"),
@@ -115,16 +124,19 @@ def test_mmbench_answers_the_judge_could_not_match_are_caught_not_scored_as_rand
     assert record["error"] == (
         f"2 of 2 judgements by {judge.model} at {judge.base_url} failed or were unusable (eval.judge.max_failures = 0)"
     )
-    folder = benchmark_dir(root, "theta0") / "mmbench_en_dev"
-    assert (folder / "lmms_eval.log").is_file() and list(folder.rglob("*_samples_mmbench_en_dev.jsonl"))  # kept
+    failed = benchmark_dir(root, "theta0") / "mmbench_en_dev.failed"
+    assert (failed / "lmms_eval.log").is_file() and list(failed.rglob("*_samples_mmbench_en_dev.jsonl"))  # kept
     allowed = load_config(CONFIG, judged(judge, "eval.benchmarks=[mmbench_en_dev]", "eval.judge.max_failures=2"))
     rerun = run_benchmark(allowed, root, "theta0", record["checkpoint"], "mmbench_en_dev")
     assert rerun["judge_failures"] == 2 and rerun["judge_note"].startswith("2 of 2 judgements") and "score" in rerun
+    assert rerun["answers_from"] == str(failed)  # its answers judged again, not generated again
 
 
 def test_a_judge_that_fails_costs_its_tasks_their_scores_and_nothing_else(paper):
     root, records = paper.root, paper.records
-    others = {t: (benchmark_dir(root, "theta0") / t / SCORE).stat().st_mtime_ns for t in records}
+    others = {
+        t: (benchmark_dir(root, "theta0") / t / SCORE).stat().st_mtime_ns for t in records if "score" in records[t]
+    }
     with JudgeServer("fail") as down:
         refused = load_config(CONFIG, judged(down))
         with pytest.raises(ValueError, match="refused a test request: HTTP 500.*the test judge is down"):
@@ -133,8 +145,8 @@ def test_a_judge_that_fails_costs_its_tasks_their_scores_and_nothing_else(paper)
         record = run_benchmark(failing, root, "theta1", records["ai2d"]["checkpoint"], "llava_in_the_wild")
     assert down.failed == down.calls > 0
     assert record["error"].startswith(f"1 of 1 judgements by {down.model} at {down.base_url} failed")
-    assert read_scores(root, "theta1", ["llava_in_the_wild"])["failed"]["llava_in_the_wild"]["error"] == record["error"]
-    assert {t: (benchmark_dir(root, "theta0") / t / SCORE).stat().st_mtime_ns for t in records} == others
+    assert read_scores(failing, root, "theta1")["failed"]["llava_in_the_wild"]["error"] == record["error"]
+    assert {t: (benchmark_dir(root, "theta0") / t / SCORE).stat().st_mtime_ns for t in others} == others
 
     with JudgeServer("flaky") as flaky:  # lmms-eval retries a failed call: every judgement lands
         settings = judged(flaky, "eval.benchmarks=[llava_in_the_wild]", "eval.benchmark_limit=1")
@@ -142,3 +154,42 @@ def test_a_judge_that_fails_costs_its_tasks_their_scores_and_nothing_else(paper)
             load_config(CONFIG, settings), root, "theta2", records["ai2d"]["checkpoint"], "llava_in_the_wild"
         )
     assert flaky.failed > 0 and record["judge_failures"] == 0 and "score" in record
+
+
+def test_an_unusable_mmvet_judgement_fails_and_the_answers_are_judged_again_not_regenerated(paper):
+    """MM-Vet against a judge that answers no number: the judgement fails (lmms-eval would score it
+    0.0 under the judge's name), then another judge rates the answers the job logged."""
+    root, theta0 = paper.root, paper.records["ai2d"]["checkpoint"]
+    with JudgeServer("garbage") as garbage:
+        cfg = load_config(CONFIG, judged(garbage, "eval.benchmarks=[mmvet]", "eval.benchmark_limit=1"))
+        failed = run_benchmark(cfg, root, "rejudged", theta0, "mmvet")
+    assert failed["judge_failures"] == 1 and failed["error"].startswith(f"1 of 1 judgements by {garbage.model}")
+    assert failed["identity"]["gen_kwargs"]["temperature"] == 0  # MM-Vet samples at 0.2: answered greedily
+    folder = benchmark_dir(root, "rejudged") / "mmvet"
+    answers = stored_answers(folder.with_name("mmvet.failed"), "mmvet")
+    with JudgeServer("good") as good:
+        cfg = load_config(CONFIG, judged(good, "eval.benchmarks=[mmvet]", "eval.benchmark_limit=1"))
+        again = run_benchmark(cfg, root, "rejudged", theta0, "mmvet")
+    assert "score" in again and again["judge_failures"] == 0 and good.calls == 1
+    assert again["answers_from"].endswith("mmvet.failed") and "--model merit_stored_answers" in again["command"]
+    assert stored_answers(folder, "mmvet") == answers and not folder.with_name("mmvet.failed").exists()
+
+
+def test_a_headline_override_is_scored_on_the_scale_its_metric_reports(paper):
+    """seed_all, the documented override, is a fraction in lmms-eval (0.5 for half right): 50 here."""
+    root, cfg = paper.root, paper.cfg
+    override = cfg.model_copy(
+        update={"eval": cfg.eval.model_copy(update={"benchmark_metrics": {"seedbench": "seed_all"}})}
+    )
+    plan = task_plans(override, root)["seedbench"]
+    folder = benchmark_dir(root, "theta0") / "seedbench"
+    samples = [json.loads(line) for line in next(folder.rglob("*_samples_seedbench.jsonl")).read_text().splitlines()]
+    samples[0]["seed_all"]["pred"] = samples[0]["seed_all"]["answer"]  # one of the two right
+    results = {"results": {"seedbench": {"seed_all,none": 0.5}}, "n-samples": {"seedbench": {"effective": 2}}}
+    assert score(plan, results, {"seedbench": samples}) == {
+        "metric": "seed_all,none",
+        "value": 0.5,
+        "scale": 100.0,
+        "score": 50.0,
+        "examples": 2,
+    }

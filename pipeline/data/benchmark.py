@@ -176,6 +176,7 @@ TASKS_DIR = Path("data") / "benchmarks"  # under the run directory; lmms-eval ru
 MARKER = "tasks.json"  # written last: the folder is whole and what it was written from
 CONSTANTS = "constants.json"  # each task's constant baseline, answered by CONSTANT_MODEL
 CONSTANT_MODEL = "merit_constant"  # lmms-eval's name of pipeline.eval.constant_model
+STORED_MODEL = "merit_stored_answers"  # lmms-eval model: answers an earlier job logged, judged again
 METRIC = {"choice": "accuracy", "exact": "accuracy", "number": "accuracy", "judge": "judge_score"}
 # Generated per answer: a chat answer, or a sum with its working, is a sentence (the tiny
 # tokenizer spells toy_chat's longest reference in 19 tokens).

@@ -27,6 +27,7 @@ import torch
 
 from pipeline.checkpoint import MANIFEST
 from pipeline.config import RunConfig
+from pipeline.devices import usable_gpus
 from pipeline.diloco.asynchronous import (
     Arrival,
     apply_arrival,
@@ -60,10 +61,11 @@ def worker_slots(cfg: RunConfig, workers: int) -> list[list[int] | None]:
     """The devices of each worker: all R train at once (they meet every round). On CPU they share
     the cores; on GPUs each takes ``train.processes`` of them (preflight checked that they fit);
     on a deployment, machines of their own."""
-    if cfg.flow.branch_deployment or torch.cuda.device_count() == 0:
+    gpus = usable_gpus(cfg)
+    if cfg.flow.branch_deployment or not gpus:
         return [None] * workers
     per = cfg.train.processes
-    return [list(range(k * per, (k + 1) * per)) for k in range(workers)]
+    return [gpus[k * per : (k + 1) * per] for k in range(workers)]
 
 
 def local_launch(cfg: RunConfig, plan: DilocoPlan) -> Launch:

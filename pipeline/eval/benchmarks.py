@@ -4,14 +4,21 @@ MMMU), and how users judge a model.
 
 The unit is one task (or group) of one model, a *job*: one lmms-eval evaluation
 (:mod:`pipeline.eval.lmms_run`) on a *slot* of the machine (a GPU, several GPUs data-parallel, or
-CPU processes), writing ``eval/benchmarks/<model>/<task>/``: lmms-eval's results file and logged
-samples as it wrote them, its log, and ``score.json``: the headline score on the paper's 0–100
-scale (:mod:`pipeline.eval.lmms_tasks`), the judge's failed judgements, the command that redoes
-the evaluation, and what the score depends on. A job's folder is written whole as soon as the job
-ends, and a re-run reuses every job whose folder is current, so a failure or a kill loses at most
-the jobs that were running. A job that fails (lmms-eval's error, the time limit, more failed
-judgements than ``eval.judge.max_failures``) keeps its folder, with the error and the last lines
-of its log, and gets no score; the other jobs keep theirs.
+CPU processes; a model larger than one GPU: one process over several, ``device_map="auto"``),
+writing ``eval/benchmarks/<model>/<task>/``: lmms-eval's results file and logged samples as it
+wrote them, its log, and ``score.json``: the headline score on the paper's 0–100 scale
+(:mod:`pipeline.eval.lmms_tasks`), the judge's failed judgements, the command that redoes the
+evaluation, and what the score depends on (its *identity*). A job's folder is written whole as
+soon as the job ends, and a re-run reuses every job whose folder is current, so a failure or a
+kill loses at most the jobs that were running.
+
+A folder is only ever replaced by a result: a job that fails (lmms-eval's error, the time limit,
+more failed judgements than ``eval.judge.max_failures``) is written beside the last good one, in
+``<task>.failed/``, with the error and the last lines of its log, and gets no score; the last good
+result stays as it was, byte for byte, and counts as a score only while its identity is the
+current one. A job that failed on its judge alone is judged again from the answers it logged
+(``merit_stored_answers``), not generated again. Every process a job starts dies with it: on its
+time limit, on a cancelled task and with the flow's process.
 
 Models: lmms-eval's own ``qwen2_5_vl``; a LoRA adapter through the same model with the adapter
 merged in (``merit_qwen2_5_vl``); and for the built-in toy tasks a constant-answer baseline
@@ -20,11 +27,14 @@ merged in (``merit_qwen2_5_vl``); and for the built-in toy tasks a constant-answ
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import json
+import math
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -34,20 +44,33 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+import psutil
+
 from pipeline import prestart
 from pipeline.checkpoint import checkpoint_id, sha256_file, staged_dir, write_json_atomic
 from pipeline.config import RunConfig
-from pipeline.data.benchmark import CONSTANT_MODEL, CONSTANTS, TASKS_DIR, is_toy_task, leaf_tasks, toy_tasks
+from pipeline.data.benchmark import (
+    CONSTANT_MODEL,
+    CONSTANTS,
+    STORED_MODEL,
+    TASKS_DIR,
+    is_toy_task,
+    leaf_tasks,
+    toy_tasks,
+)
+from pipeline.devices import benchmark_gpus, visible_devices
 from pipeline.eval.judge import check_judge, failed_judgements, judge_environment, judge_style
-from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_and_problems, score
+from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_and_problems, prompts_of, score
 from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
 from pipeline.layout import EVAL
 from pipeline.models.adapter import adapter_base, is_adapter
 from pipeline.models.families import Family, family_of_config
 from pipeline.tensorboard import log_benchmarks
-from pipeline.threads import SMALL_MODEL, available_cpus, threads_per_process
+from pipeline.threads import available_cpus, threads_per_process
+from pipeline.train.lifetime import parent_environment
 
 BENCHMARKS = "benchmarks"  # eval/benchmarks/<model>/<task>/
+FAILED = ".failed"  # eval/benchmarks/<model>/<task>.failed/: the last attempt, when it failed
 SCORE = "score.json"
 LOG = "lmms_eval.log"
 RESULTS_NAME = re.compile(r"\d{8}_\d{6}_results\.json")
@@ -60,6 +83,18 @@ LMMS_RUN = "pipeline.eval.lmms_run"
 # classes, ours over an adapter, and nltk, which lmms-eval imports for every task's standard error:
 # a second a job): imported once by a prestart server on a CPU machine (pipeline.prestart).
 LMMS_PRELOAD = [LMMS_RUN, "lmms_eval.models.chat.qwen2_5_vl", "pipeline.eval.lmms_adapted", "nltk"]
+# This project's code a score depends on: its lmms-eval models, the runner's patches, the judge's
+# bounds and failure marks, the adapter merge (an edit here changes every job's identity).
+SCORING_CODE = [
+    "eval/lmms_adapted.py",
+    "eval/lmms_run.py",
+    "eval/judge.py",
+    "eval/constant_model.py",
+    "eval/stored_answers.py",
+    "eval/offline_datasets.py",
+    "models/adapter.py",
+]
+WEIGHTS_MARGIN = 1.25  # a model's weights × this (activations, KV cache) must fit a job's GPU memory
 
 
 def checkpoint_family(checkpoint: str, adapter: bool) -> Family:
@@ -106,8 +141,9 @@ def benchmarked(cfg: RunConfig, model: str) -> bool:
 def check_benchmarks(cfg: RunConfig) -> str:
     """What would fail only when the benchmarks run, after hours of training: a judged task
     without a judge, a judge that does not answer (one real request; its answer quoted), a task
-    lmms-eval does not know or that cannot be scored (no headline metric; a group of groups), a
-    task whose data is not in the Hugging Face cache (with the command that fetches it). The toy
+    lmms-eval does not know or that cannot be scored (no headline metric; a group of groups; a
+    judge whose failures cannot be counted), a task whose data is not in the Hugging Face cache
+    (with the command that fetches it). The toy
     tasks are written by ``prepare``. Raises ValueError naming every problem."""
     tasks, judge = benchmark_tasks(cfg), cfg.eval.judge
     judged = [t for t in tasks if judge_style(t)]
@@ -129,11 +165,20 @@ def check_benchmarks(cfg: RunConfig) -> str:
         folders = [str(Path(p).absolute()) for p in cfg.eval.include_path]
         plans, unknown = plans_and_problems(real, folders, cfg.eval.benchmark_metrics)
         problems += [_missing(task, d) for task, p in plans.items() for d in p.datasets if not _cached(d)] + unknown
+        problems += [_uncounted(task) for task, p in plans.items() if p.calls_judge and not judge_style(task)]
     if problems:
         raise ValueError("; ".join(problems))
     left_out = [t for t in cfg.eval.benchmarks if t not in tasks]
     note = f" ({', '.join(left_out)} left out: scored by a judge model, and eval.judge is not set)" if left_out else ""
     return (", ".join(tasks) or "none") + note + (f"; judge {answered}" if judged else "")
+
+
+def _uncounted(task: str) -> str:
+    return (
+        f"task '{task}' is scored by a judge model its code calls, and only the failed judgements of "
+        "llava_in_the_wild, mmvet, mathvista_* and mmbench_* are counted (lmms-eval scores a failed one as a "
+        "number): leave it out"
+    )
 
 
 def _missing(task: str, dataset: str) -> str:
@@ -154,27 +199,54 @@ def _cached(dataset: str) -> bool:
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one job runs: ``processes`` lmms-eval ranks (data-parallel), on ``gpus`` (one each),
-    or on the CPU when there are none."""
+    """Where one job runs: ``processes`` lmms-eval ranks (data-parallel), on ``gpus`` (one each;
+    ``sharded``: one process holding the model across them), or on the CPU when there are none;
+    ``threads`` CPU threads per process (the machine's CPUs shared out among the slots)."""
 
     processes: int = 1
     gpus: tuple[int, ...] = ()
+    threads: int = 1
+    sharded: bool = False
 
 
-def benchmark_slots(cfg: RunConfig, models: int) -> list[Slot]:
-    """The slots the stage runs its jobs on, one job each at a time. On GPUs: disjoint groups of
-    ``eval.benchmark_processes`` GPUs, by default the GPUs shared out among the models (8 GPUs and
-    2 models: 2 jobs at a time on 4 GPUs each; 7 models: 8 single-GPU jobs), since a job on more
-    GPUs finishes sooner but loads the model once per GPU and waits for its slowest rank. On the
-    CPU: one process per job unless asked, as many jobs as the CPUs allow."""
+def benchmark_slots(cfg: RunConfig, models: int, model_bytes: int = 0) -> list[Slot]:
+    """The slots the stage runs its jobs on, one job each at a time. On GPUs (the benchmark's,
+    :func:`pipeline.devices.benchmark_gpus`): disjoint groups of ``eval.benchmark_processes`` GPUs,
+    by default the GPUs shared out among the models (8 GPUs and 2 models: 2 jobs at a time on 4
+    GPUs each; 7 models: 8 single-GPU jobs), since a job on more GPUs finishes sooner but loads
+    the model once per GPU and waits for its slowest rank. A model of ``model_bytes`` that does not
+    fit one GPU takes as many as it needs, in one process (Qwen3-VL-30B-A3B in bf16 on 40 GB cards:
+    2). On the CPU: one process per job unless asked, as many jobs as the CPUs allow."""
     import torch
 
-    gpus = torch.cuda.device_count()
+    gpus = benchmark_gpus(cfg)
     if gpus:
-        per = min(gpus, cfg.eval.benchmark_processes or max(1, gpus // max(1, models)))
-        return [Slot(per, tuple(range(i * per, (i + 1) * per))) for i in range(gpus // per)]
+        memory = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+        shards = math.ceil(model_bytes * WEIGHTS_MARGIN / memory) if model_bytes else 1
+        if shards > len(gpus):
+            raise ValueError(
+                f"a model of {model_bytes / 1e9:.1f} GB needs {shards} GPUs of {memory / 1e9:.0f} GB "
+                f"for its benchmarks; the stage has {len(gpus)}"
+            )
+        if shards > 1:
+            return _slots(gpus, shards, 1, sharded=True)
+        per = min(len(gpus), cfg.eval.benchmark_processes or max(1, len(gpus) // max(1, models)))
+        return _slots(gpus, per, per)
     per = cfg.eval.benchmark_processes or 1
-    return [Slot(per)] * max(1, available_cpus() // per)
+    jobs = max(1, available_cpus() // per)
+    return [Slot(per, threads=threads_per_process(jobs * per))] * jobs
+
+
+def _slots(gpus: list[int], per: int, processes: int, sharded: bool = False) -> list[Slot]:
+    groups = [tuple(gpus[i * per : (i + 1) * per]) for i in range(len(gpus) // per)]
+    threads = threads_per_process(len(groups) * processes)
+    return [Slot(processes, group, threads, sharded) for group in groups]
+
+
+def weights_bytes(checkpoint: str) -> int:
+    """The bytes of a model's weights (θ0's for an adapter), as the benchmark jobs load them."""
+    base = adapter_base(checkpoint) if is_adapter(checkpoint) else checkpoint
+    return sum(f.stat().st_size for f in Path(base).glob("*.safetensors"))
 
 
 def task_folders(cfg: RunConfig, run_dir: str | Path) -> list[str]:
@@ -207,7 +279,8 @@ def weights_id(checkpoint: str) -> str:
 
 def model_args(cfg: RunConfig, checkpoint: str, device: str) -> tuple[str, dict[str, Any]]:
     """The lmms-eval model and its arguments for a checkpoint: a model folder, a LoRA adapter
-    (lmms-eval's model over θ0 with the adapter merged in), or the constant answers."""
+    (lmms-eval's model over θ0 with the adapter merged in), or the constant answers. ``device``:
+    lmms-eval's ``device_map`` (``auto`` for a model across the slot's GPUs)."""
     if Path(checkpoint).name == CONSTANTS:
         return CONSTANT_MODEL, {"answers": checkpoint}
     m = cfg.model
@@ -225,24 +298,87 @@ def model_args(cfg: RunConfig, checkpoint: str, device: str) -> tuple[str, dict[
     return model, args
 
 
+@dataclass(frozen=True)
+class JobSettings:
+    """One task's example limit, seed and generation settings over its own, from the stage's and
+    ``eval.benchmark_tasks.<task>``."""
+
+    limit: int | None
+    seed: int
+    gen_kwargs: dict[str, int | float | str]
+
+
+def job_settings(cfg: RunConfig, plan: TaskPlan) -> JobSettings:
+    """``eval.benchmark_gen_kwargs``, then greedy answers for a task that samples
+    (``eval.benchmark_greedy``), the cap on new tokens where the task's own allow more
+    (``eval.benchmark_max_new_tokens``; a group: its tasks' largest own allowance, capped), then
+    the task's own settings."""
+    e, own = cfg.eval, cfg.eval.benchmark_tasks.get(plan.name)
+    generation = dict(e.benchmark_gen_kwargs)
+    if e.benchmark_greedy and plan.sampled and "temperature" not in generation:
+        generation["temperature"] = 0
+    cap, allowed = e.benchmark_max_new_tokens, plan.max_new_tokens
+    if cap and "max_new_tokens" not in generation and (allowed is None or allowed > cap):
+        generation["max_new_tokens"] = cap
+    limit, seed = e.benchmark_limit, cfg.run.seed
+    if own:
+        generation |= own.gen_kwargs | ({"max_new_tokens": own.max_new_tokens} if own.max_new_tokens else {})
+        limit = own.limit or limit
+        seed = own.seed if own.seed is not None else seed
+    return JobSettings(limit, seed, generation)
+
+
+@functools.cache
+def scoring_code() -> str:
+    """The digest of :data:`SCORING_CODE`."""
+    digest = hashlib.sha256()
+    for name in SCORING_CODE:
+        digest.update(name.encode() + b"\0" + (Path(__file__).parent.parent / name).read_bytes())
+    return digest.hexdigest()
+
+
 def identity(cfg: RunConfig, model: str, args: dict[str, Any], checkpoint: str, plan: TaskPlan) -> dict[str, Any]:
     """What a job's score depends on: the weights, the task's files (prompts, generation
-    settings, hooks, local data; lmms-eval's own tasks through its version too), the model's
-    settings, the judge, the example limit, the generation settings over the tasks', the seed.
-    Never devices, processes or batch size."""
+    settings, hooks, local data; lmms-eval's own tasks through its version too), the prompts'
+    model, the model's settings, this project's scoring code, the example limit, the generation
+    settings over the tasks', the seed; and, for a judged task, under ``judge``, the judge and
+    how many of its failures a score may hold. Everything but ``judge`` is what the answers
+    depend on. Never devices, processes or batch size."""
     judge = cfg.eval.judge if any(judge_style(t) for t in plan.tasks) else None
+    settings = job_settings(cfg, plan)
     return {
         "checkpoint_id": weights_id(checkpoint),
         "task": plan.name,
         "task_files": folder_digest(plan.folders),
         "model": model,
+        "prompts": prompts_of(model),
         "model_args": {k: v for k, v in args.items() if k not in ("pretrained", "adapter", "answers", "device_map")},
-        "judge": judge.model_dump(include={"base_url", "model"}) if judge else None,
-        "limit": cfg.eval.benchmark_limit,
-        "gen_kwargs": cfg.eval.benchmark_gen_kwargs,
-        "seed": cfg.run.seed,
+        "code": scoring_code(),
+        "limit": settings.limit,
+        "gen_kwargs": settings.gen_kwargs,
+        "seed": settings.seed,
         "lmms_eval": version("lmms_eval"),
+        "judge": judge.model_dump(include={"base_url", "model", "max_failures"}) if judge else None,
     }
+
+
+def same_answers(one: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two identities give the same answers (they may differ in their judge)."""
+    return {k: v for k, v in one.items() if k != "judge"} == {k: v for k, v in other.items() if k != "judge"}
+
+
+def wanted_identity(cfg: RunConfig, run_dir: str | Path, checkpoint: str, task: str, slot: Slot = Slot()) -> dict:
+    """The identity a job of ``task`` on ``checkpoint`` has under ``cfg`` now."""
+    plan = task_plans(cfg, run_dir)[task]
+    lmms_model, args = model_args(cfg, str(checkpoint), job_device(slot))
+    return identity(cfg, lmms_model, args, str(checkpoint), plan)
+
+
+def job_device(slot: Slot) -> str:
+    """lmms-eval's ``device_map`` on a slot: its one GPU, every rank's own, or all of them (sharded)."""
+    if not slot.gpus:
+        return "cpu"
+    return "auto" if slot.sharded else "cuda" if slot.processes > 1 else "cuda:0"
 
 
 # --- one job ----------------------------------------------------------------------------------
@@ -256,22 +392,32 @@ def run_benchmark(
     cfg: RunConfig, run_dir: str | Path, model: str, checkpoint: str, task: str, slot: Slot = Slot()
 ) -> dict[str, Any]:
     """One job: ``task`` of ``model`` on ``slot``, its folder ``eval/benchmarks/<model>/<task>/``
-    written whole; returns its ``score.json``. A current folder is returned without running."""
+    written whole when it scores (``<task>.failed/`` when it does not); returns its ``score.json``.
+    A current result is returned without running; answers logged under the current identity but
+    another judge are judged again without generating them."""
     run_dir = Path(run_dir).absolute()
     plan = task_plans(cfg, run_dir)[task]
     if Path(checkpoint).name == CONSTANTS:
         slot = Slot()  # constant answers: no model to load, nothing to share out
-    device = "cuda" if slot.gpus else "cpu"
-    lmms_model, args = model_args(cfg, str(checkpoint), device if slot.processes > 1 or not slot.gpus else "cuda:0")
+    lmms_model, args = model_args(cfg, str(checkpoint), job_device(slot))
     wanted = identity(cfg, lmms_model, args, str(checkpoint), plan)
     folder = benchmark_dir(run_dir, model) / task
+    failed = folder.with_name(task + FAILED)
     done = _read(folder / SCORE)
-    if done and done["identity"] == wanted and "error" not in done:
+    if done and done["identity"] == wanted and "score" in done:
         return done
-    with staged_dir(folder) as out:
-        argv = lmms_arguments(cfg, lmms_model, args, plan, device, out)
-        redo = recorded_command(cfg, plan, lmms_arguments(cfg, lmms_model, args, plan, device, folder), slot)
+    answers = _logged_answers(wanted, folder, failed)
+    redo_args = args
+    if answers:  # judged again: the stored answers' files are read while the new ones are written
+        lmms_model, args, slot = STORED_MODEL, {"answers": str(answers)}, Slot()
+        redo_args = {"answers": str(folder)}  # where the same answers are logged once this job scores
+    device = "cuda" if slot.gpus else "cpu"
+    with staged_dir(failed) as out:
+        argv = lmms_arguments(cfg, lmms_model, args, plan, device, out, slot)
+        redo = lmms_arguments(cfg, lmms_model, redo_args, plan, device, folder, slot)
+        redo = recorded_command(cfg, plan, redo, slot)
         record = {"model": model, "task": task, "checkpoint": str(checkpoint), "identity": wanted, "command": redo}
+        record |= {"answers_from": str(answers)} if answers else {}
         started = time.monotonic()
         try:
             _evaluate(cfg, plan, argv, slot, str(checkpoint), out)
@@ -282,9 +428,29 @@ def run_benchmark(
         record["seconds"] = round(time.monotonic() - started, 1)
         write_json_atomic(out / SCORE, record)
     if "score" in record:
-        average = read_scores(run_dir, model, model_tasks(cfg, model))["average"]
+        _publish(failed, folder)
+        average = read_scores(cfg, run_dir, model, str(checkpoint))["average"]
         log_benchmarks(run_dir / EVAL / "tensorboard" / model / BENCHMARKS, {task: record["score"]["score"]}, average)
     return record
+
+
+def _publish(attempt: Path, folder: Path) -> None:
+    """A scored attempt becomes the task's folder, in one rename (the old folder aside until then)."""
+    with staged_dir(folder) as staged:
+        staged.rmdir()
+        attempt.rename(staged)
+
+
+def _logged_answers(wanted: dict[str, Any], *folders: Path) -> Path | None:
+    """The folder of a job whose answers are the ones ``wanted`` asks for, but that was judged by
+    another judge or failed on its judge alone: its answers need only be judged again."""
+    if wanted["judge"] is None:
+        return None
+    for folder in folders:
+        record = _read(folder / SCORE)
+        if record and same_answers(record["identity"], wanted) and (record.get("judge_failures") or "score" in record):
+            return folder
+    return None
 
 
 # lmms-eval models that take one request at a time (internvl_hf asserts it): eval.benchmark_batch_size
@@ -293,52 +459,53 @@ ONE_AT_A_TIME = {"merit_internvl"}
 
 
 def lmms_arguments(
-    cfg: RunConfig, model: str, args: dict[str, Any], plan: TaskPlan, device: str, out: Path
+    cfg: RunConfig, model: str, args: dict[str, Any], plan: TaskPlan, device: str, out: Path, slot: Slot = Slot()
 ) -> list[str]:
     """The runner's options (lmms-eval's names) for one job writing into ``out``."""
-    e = cfg.eval
+    e, settings = cfg.eval, job_settings(cfg, plan)
     argv = ["--model", model, "--model_args", ",".join(f"{k}={v}" for k, v in args.items()), "--tasks", plan.name]
     argv += [f"--include_path={folder}" for folder in plan.folders]
     batch_size = 1 if model in ONE_AT_A_TIME else e.benchmark_batch_size
     argv += ["--batch_size", str(batch_size), "--device", device]
-    argv += ["--limit", str(e.benchmark_limit)] if e.benchmark_limit else []
-    argv += ["--gen_kwargs", gen_kwargs(cfg)] if e.benchmark_gen_kwargs else []
-    return [*argv, "--seed", str(cfg.run.seed), "--output_path", str(out), "--log_samples"]
+    argv += ["--limit", str(settings.limit)] if settings.limit else []
+    argv += (
+        ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in settings.gen_kwargs.items())] if settings.gen_kwargs else []
+    )
+    argv += ["--process_group_timeout_s", str(e.benchmark_timeout_s)] if slot.processes > 1 else []
+    return [*argv, "--seed", str(settings.seed), "--output_path", str(out), "--log_samples"]
 
 
-def gen_kwargs(cfg: RunConfig) -> str:
-    """``eval.benchmark_gen_kwargs`` as lmms-eval's ``--gen_kwargs`` string."""
-    return ",".join(f"{k}={v}" for k, v in cfg.eval.benchmark_gen_kwargs.items())
-
-
-def _launcher(slot: Slot) -> list[str]:
-    """How the runner starts: one process, or ``torchrun`` with a rank per GPU (CPU: per process)."""
+def _launcher(slot: Slot, lifetime: bool = False) -> list[str]:
+    """How the runner starts: one process, or ``torchrun`` with a rank per GPU (CPU: per process).
+    ``lifetime``: each process run by :mod:`pipeline.train.lifetime`, dying with the one that
+    started it from its first line on (a rank still importing lmms-eval included)."""
+    runner = ["-m", "pipeline.train.lifetime", LMMS_RUN] if lifetime else ["-m", LMMS_RUN]
     if slot.processes == 1:
-        return ["-m", LMMS_RUN]
-    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={slot.processes}", "-m", LMMS_RUN]
+        return runner
+    torchrun = ["torch.distributed.run", "--standalone", f"--nproc_per_node={slot.processes}"]
+    return [*(["-m", "pipeline.train.lifetime", *torchrun] if lifetime else ["-m", *torchrun]), *runner]
 
 
-def job_environment(cfg: RunConfig, plan: TaskPlan, checkpoint: str | None = None) -> dict[str, str]:
+def job_environment(cfg: RunConfig, plan: TaskPlan, slot: Slot = Slot()) -> dict[str, str]:
     """Offline datasets when the hub is offline; the judge's settings for a judged task (its
-    lmms-eval module reads them when imported); the job's CPU threads (one for a model too small
-    to split its operations, as :func:`pipeline.threads.fit_threads_to_model`); transformers' hub
-    kernels only when ``model.use_kernels`` asks (lmms-eval loads the model itself)."""
+    lmms-eval module reads them when imported); the job's CPU threads (its share of the
+    machine's: :func:`benchmark_slots`); its GPUs, through this process' own list; transformers'
+    hub kernels only when ``model.use_kernels`` asks (lmms-eval loads the model itself)."""
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if offline() else {}
     env["USE_HUB_KERNELS"] = "YES" if cfg.model.use_kernels else "NO"
     style = next((judge_style(t) for t in plan.tasks if judge_style(t)), None)
     if style:
         env |= judge_environment(cfg.eval.judge, style)
-    if checkpoint is not None:
-        weights = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
-        threads = 1 if weights < 4 * SMALL_MODEL else threads_per_process()
-        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads))
+    env["OMP_NUM_THREADS"] = str(slot.threads)
+    if slot.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(list(slot.gpus))
     return env
 
 
 def recorded_command(cfg: RunConfig, plan: TaskPlan, argv: list[str], slot: Slot) -> str:
     """The shell command that redoes a job (``argv`` writing into its folder): the environment it
     needs (the judge's key by reference, never its value), then the runner as the job started it."""
-    env = {k: shlex.quote(v) for k, v in job_environment(cfg, plan).items()}
+    env = {k: shlex.quote(v) for k, v in job_environment(cfg, plan, slot).items()}
     if "OPENAI_API_KEY" in env:
         env["OPENAI_API_KEY"] = f'"${cfg.eval.judge.api_key_env}"'
     folder = argv[argv.index("--output_path") + 1]
@@ -347,24 +514,41 @@ def recorded_command(cfg: RunConfig, plan: TaskPlan, argv: list[str], slot: Slot
 
 
 def _evaluate(cfg: RunConfig, plan: TaskPlan, argv: list[str], slot: Slot, checkpoint: str, out: Path) -> None:
-    """Run lmms-eval for one job in ``out`` (its working folder, where stray files land too)."""
-    env = os.environ | job_environment(cfg, plan, checkpoint)
-    if slot.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus))
+    """Run lmms-eval for one job in ``out`` (its working folder, where stray files land too).
+    Every process it starts dies with it: torchrun and a lone runner with this process
+    (``pipeline.train.lifetime``), each rank with torchrun, all of them on the time limit or when
+    this task stops (cancelled, interrupted)."""
+    env = os.environ | job_environment(cfg, plan, slot) | parent_environment()
     with (out / LOG).open("a") as log:
         if slot.processes == 1 and prestart.usable():  # a fork of a process that imported lmms-eval
             proc = prestart.start(LMMS_RUN, argv, env, preload=LMMS_PRELOAD, stdout=log.fileno(), cwd=str(out))
         else:
-            command = [sys.executable, *_launcher(slot), *argv]
+            command = [sys.executable, *_launcher(slot, lifetime=True), *argv]
             proc = subprocess.Popen(command, stdout=log, stderr=log, env=env, cwd=out, start_new_session=True)
         try:
             code = proc.wait(timeout=cfg.eval.benchmark_timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the job and its ranks (a session of their own)
+            kill_tree(proc.pid)
             proc.wait()
             raise JobFailed(f"ran past eval.benchmark_timeout_s ({cfg.eval.benchmark_timeout_s} s)") from None
+        except BaseException:  # a cancelled task or Ctrl-C: the ranks run in sessions of their own
+            kill_tree(proc.pid)
+            proc.wait()
+            raise
     if code != 0:
+        kill_tree(proc.pid)  # ranks a failed launcher left
         raise JobFailed(f"lmms-eval failed (exit code {code})")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process it started. torchrun starts each rank in a session of
+    its own, so no process group holds them all: the tree is read first (a killed parent's
+    children are re-parented and could no longer be found), then each is killed."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for proc in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
 
 
 def _scored(cfg: RunConfig, plan: TaskPlan, out: Path) -> dict[str, Any]:
@@ -424,23 +608,39 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def read_scores(
-    run_dir: str | Path, model: str, tasks: list[str], checkpoint: str | None = None
+    cfg: RunConfig, run_dir: str | Path, model: str, checkpoint: str | None = None
 ) -> dict[str, Any] | None:
-    """A model's jobs as their folders hold them (with ``checkpoint``, those of the weights it has
-    now): scored tasks, failed tasks, and the average of the scores when every task has one (None
-    otherwise: an average of some tasks would compare models on different benchmarks). None when
-    no job of the model ran."""
-    current = weights_id(checkpoint) if checkpoint and Path(checkpoint).exists() else None
-    records = {t: r for t in tasks if (r := _read(benchmark_dir(run_dir, model) / t / SCORE))}
-    records = {t: r for t, r in records.items() if current in (None, r["identity"]["checkpoint_id"])}
-    if not records:
+    """A model's jobs as their folders hold them: the scores of the current identity (with
+    ``checkpoint``: of the weights it has now, under ``cfg``'s settings), the tasks whose latest
+    attempt failed, the earlier scores of another identity (``stale``: never in the table or the
+    average, with the identity keys they differ in), and the average of the scores when every
+    task has a current one (None otherwise: an average of some tasks would compare models on
+    different benchmarks). None when no job of the model ran."""
+    tasks, folder = model_tasks(cfg, model), benchmark_dir(run_dir, model)
+    current = checkpoint if checkpoint and Path(checkpoint).exists() else None
+    scored, failed, stale = {}, {}, {}
+    for task in tasks:
+        good, attempt = _read(folder / task / SCORE), _read(folder / f"{task}{FAILED}" / SCORE)
+        if good and "error" in good:  # a folder written before failures were kept apart
+            good, attempt = None, attempt or good
+        if good is None and attempt is None:
+            continue
+        wanted = wanted_identity(cfg, run_dir, current, task) if current else None
+        if good and wanted in (None, good["identity"]):
+            scored[task] = good
+            continue
+        if attempt and wanted in (None, attempt["identity"]):
+            failed[task] = {"error": attempt["error"], "log_tail": attempt.get("log_tail", [])}
+        if good:
+            differs = sorted(k for k in good["identity"] if good["identity"][k] != wanted.get(k))
+            stale[task] = {"score": good["score"]["score"], "differs": differs}
+    if not (scored or failed or stale):
         return None
-    scored = {t: r for t, r in records.items() if "score" in r}
-    failed = {t: r for t, r in records.items() if "error" in r}
     return {
         "model": model,
         "tasks": {t: {**r["score"], "checkpoint_id": r["identity"]["checkpoint_id"]} for t, r in scored.items()},
         "judge_failures": {t: r["judge_failures"] for t, r in scored.items() if r.get("judge_failures") is not None},
-        "failed": {t: {"error": r["error"], "log_tail": r.get("log_tail", [])} for t, r in failed.items()},
+        "failed": failed,
+        "stale": stale,
         "average": mean(r["score"]["score"] for r in scored.values()) if len(scored) == len(tasks) else None,
     }

@@ -29,7 +29,8 @@ import torch
 
 from pipeline.checkpoint import checkpoint_id, write_json_atomic
 from pipeline.config import RunConfig
-from pipeline.eval.heldout import Heldout, eval_device, eval_digest, score_model, source_roles, summarise
+from pipeline.devices import eval_device
+from pipeline.eval.heldout import Heldout, eval_digest, score_model, source_roles, summarise
 from pipeline.layout import DIAGNOSTICS, EVAL, run_models
 from pipeline.merge.adapter import EMBEDDING, LM_HEAD, AdapterReader, embeddings_tied
 from pipeline.merge.inputs import rows_of

@@ -32,6 +32,7 @@ from pipeline.config import EVALUATED_ROLES, RunConfig
 from pipeline.data import Collator, Encoder, Example, active_sources, load_split, read_manifest
 from pipeline.data.manifest import MANIFEST_PATH
 from pipeline.data.prepare import data_digest
+from pipeline.devices import eval_device
 from pipeline.eval.generate import Generator, normalise
 from pipeline.layout import EVAL
 from pipeline.models import load_model, load_processor
@@ -49,10 +50,6 @@ PROMPT_TAIL = 160  # characters of a sample's prompt kept: the question and the 
 def evaluated(cfg: RunConfig, model: str) -> bool:
     """Whether a model of the run is evaluated: every one, the branches unless ``eval.branches`` is off."""
     return cfg.eval.branches or not model.startswith("branch-")
-
-
-def eval_device(cfg: RunConfig) -> str:
-    return cfg.eval.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 def source_roles(run_dir: str | Path) -> dict[str, str]:

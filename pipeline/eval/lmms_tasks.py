@@ -8,6 +8,11 @@ overall and per category), and a report that takes "the first number it finds" s
 benchmark's figure when the headline is missing. A task of one's own is scored by the first metric
 of its ``metric_list`` unless ``eval.benchmark_metrics`` names another.
 
+Scale: lmms-eval reports some metrics as fractions (SEED-Bench's accuracy, 0.7) and others in
+percent (MM-Vet, 70.0). Outside the table, the scale is read from the metric itself
+(:func:`detected_scale`): the task's own aggregation run on its logged answers one at a time gives
+at most 1 for a fraction and up to 100 for a percentage, whatever the metric is called.
+
 Groups: lmms-eval reports a group's aggregate only when its YAML has an ``aggregate_metric_list``
 (and writes ``{" ": " ", "alias": …}`` for the group otherwise, as for ``mathvista_testmini``); a
 group without one is scored here as the mean of its subtasks' headline scores weighted by their
@@ -17,22 +22,29 @@ numbers of examples, and the report says so.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# This project's lmms-eval models and the lmms-eval model whose prompts they answer (a task's
+# ``lmms_eval_specific_kwargs`` key): merit_qwen3_vl gets a task's qwen3_vl prompts.
+PROMPTS_OF = {"merit_qwen2_5_vl": "qwen2_5_vl", "merit_qwen3_vl": "qwen3_vl", "merit_internvl": "internvl_hf"}
+# How a task's code asks a judge model in lmms-eval 0.7.3 (21 task folders do).
+JUDGE_CLIENT = re.compile(r"\bllm_judge\b|\bget_server\(")
 # Local dataset builders: a task reading one of these (or a folder) needs no download.
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "imagefolder"}
 
 
 @dataclass(frozen=True)
 class Headline:
-    """A task's headline metric, the factor that puts lmms-eval's value on the 0–100 scale, and
-    whether lmms-eval's aggregate returns None for a score of zero (MathVista's does)."""
+    """A task's headline metric, the factor that puts lmms-eval's value on the 0–100 scale (None:
+    read from the metric, :func:`detected_scale`), and whether lmms-eval's aggregate returns None
+    for a score of zero (MathVista's does)."""
 
     metric: str
-    scale: float = 1.0
+    scale: float | None = 1.0
     none_is_zero: bool = False
 
 
@@ -52,8 +64,10 @@ HEADLINES: dict[str, Headline] = {
     "llava_in_the_wild": Headline("gpt_eval_llava_all"),
     "mmvet": Headline("gpt_eval_score"),
 }
-# Metrics lmms-eval reports as fractions (a task of one's own); the others are taken as they are.
+# Metrics read as fractions where the aggregation cannot be run on single answers (a judged task's,
+# which would call the judge); the others are taken as they are.
 FRACTIONS = {"accuracy", "acc", "exact_match", "anls", "relaxed_accuracy", "token_f1"}
+SCALE_PROBES = 64  # logged answers aggregated one at a time to read a metric's scale
 
 
 @dataclass(frozen=True)
@@ -68,11 +82,20 @@ class TaskPlan:
     headline: Headline | None
     parts: dict[str, Headline] = field(default_factory=dict)
     members: tuple[str, ...] = ()
+    yamls: dict[str, str] = field(default_factory=dict)  # each task's YAML file
+    max_new_tokens: int | None = None  # the most its tasks' own generation settings allow
+    sampled: bool = False  # whether a task's own generation settings sample (temperature > 0)
+    calls_judge: bool = False  # whether its code asks a judge model (lmms-eval's llm_judge)
 
     @property
     def tasks(self) -> list[str]:
         """The tasks lmms-eval runs: the task, or the group's."""
         return list(self.members) or [self.name]
+
+
+def prompts_of(model: str) -> str:
+    """The model name whose prompts a task gives ``model``."""
+    return PROMPTS_OF.get(model, model)
 
 
 _index_lock = threading.Lock()
@@ -127,13 +150,15 @@ def _plan(manager: Any, name: str, metrics: dict[str, str]) -> TaskPlan:
         raise ValueError(f"lmms-eval has no task '{name}' (a task of your own: its YAML under eval.include_path)")
     config = _config(entry["yaml_path"])
     if entry["type"] != "group":
-        return TaskPlan(name, (_folder(entry),), _datasets(config), _headline(name, config, metrics))
+        headline = _headline(name, config, metrics)
+        return TaskPlan(name, (_folder(entry),), _datasets(config), headline, **_generation({name: entry}, [config]))
     subtasks = [t if isinstance(t, str) else t.get("task") for t in config.get("task", [])]
     if not subtasks or not all(isinstance(t, str) and manager.task_index.get(t) for t in subtasks):
         raise ValueError(f"group '{name}': its tasks {subtasks} are not all tasks lmms-eval knows")
     if any(manager.task_index[t]["type"] == "group" for t in subtasks):
         raise ValueError(f"group '{name}' holds groups: name its tasks in eval.benchmarks instead")
     configs = {t: _config(manager.task_index[t]["yaml_path"]) for t in subtasks}
+    generation = _generation({t: manager.task_index[t] for t in subtasks}, list(configs.values()))
     folders = tuple(dict.fromkeys([_folder(entry), *(_folder(manager.task_index[t]) for t in subtasks)]))
     datasets = tuple(dict.fromkeys(d for c in configs.values() for d in _datasets(c)))
     aggregates = [m["metric"] for m in config.get("aggregate_metric_list") or [] if "metric" in m]
@@ -141,10 +166,25 @@ def _plan(manager: Any, name: str, metrics: dict[str, str]) -> TaskPlan:
         metric = metrics.get(name, aggregates[0])
         if metric not in aggregates:
             raise ValueError(f"group '{name}' aggregates {aggregates}, not '{metric}' (eval.benchmark_metrics)")
-        headline = Headline(metric, 100.0 if metric in FRACTIONS else 1.0)
-        return TaskPlan(name, folders, datasets, headline, members=tuple(subtasks))
+        return TaskPlan(name, folders, datasets, Headline(metric, None), members=tuple(subtasks), **generation)
     parts = {t: _headline(t, c, metrics) for t, c in configs.items()}
-    return TaskPlan(name, folders, datasets, None, parts, tuple(subtasks))
+    return TaskPlan(name, folders, datasets, None, parts, tuple(subtasks), **generation)
+
+
+def _generation(entries: dict[str, dict[str, Any]], configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A plan's YAML files and what its tasks' own generation settings allow."""
+    settings = [c.get("generation_kwargs") or {} for c in configs]
+    caps = [g["max_new_tokens"] for g in settings if isinstance(g.get("max_new_tokens"), int)]
+    sampled = any(float(g.get("temperature") or 0) > 0 or g.get("do_sample") is True for g in settings)
+    yamls = {t: e["yaml_path"] for t, e in entries.items()}
+    code = [f for y in yamls.values() for f in Path(y).parent.glob("*.py")]
+    calls_judge = any(JUDGE_CLIENT.search(f.read_text(errors="replace")) for f in code)
+    return {
+        "yamls": yamls,
+        "max_new_tokens": max(caps) if caps else None,
+        "sampled": sampled,
+        "calls_judge": calls_judge,
+    }
 
 
 def _config(yaml_path: str) -> dict[str, Any]:
@@ -172,7 +212,7 @@ def _headline(task: str, config: dict[str, Any], metrics: dict[str, str]) -> Hea
         raise ValueError(f"task '{task}': no headline metric among its metrics {listed} (eval.benchmark_metrics)")
     if known and known.metric == metric:
         return known
-    return Headline(metric, 100.0 if metric in FRACTIONS else 1.0)
+    return Headline(metric, None)
 
 
 def folder_digest(folders: tuple[str, ...]) -> str:
@@ -196,12 +236,13 @@ def score(plan: TaskPlan, results: dict[str, Any], samples: dict[str, list[dict[
         table = "groups" if plan.name in results.get("groups", {}) else "results"  # a group's own aggregate
         value, key = _value(plan.name, plan.headline, results[table].get(plan.name, {}), samples)
         examples = sum(_examples(results, t) or 0 for t in plan.tasks)
-        return {"metric": key, "value": value, "score": value * plan.headline.scale, "examples": examples}
+        scale = _scale(plan, plan.tasks[0], plan.headline, samples)
+        return {"metric": key, "value": value, "scale": scale, "score": value * scale, "examples": examples}
     parts = {}
     for task, headline in plan.parts.items():
         value, key = _value(task, headline, results["results"].get(task, {}), samples)
-        examples = _examples(results, task)
-        parts[task] = {"metric": key, "value": value, "score": value * headline.scale, "examples": examples}
+        examples, scale = _examples(results, task), _scale(plan, task, headline, samples)
+        parts[task] = {"metric": key, "value": value, "scale": scale, "score": value * scale, "examples": examples}
     examples = sum(p["examples"] for p in parts.values())
     mean = sum(p["score"] * p["examples"] for p in parts.values()) / examples
     return {"metric": "size-weighted mean of its tasks", "score": mean, "examples": examples, "parts": parts}
@@ -229,3 +270,36 @@ def _all_wrong(samples: list[dict[str, Any]], metric: str) -> bool:
 
 def _examples(results: dict[str, Any], task: str) -> int | None:
     return (results.get("n-samples", {}).get(task) or {}).get("effective")
+
+
+def _scale(plan: TaskPlan, task: str, headline: Headline, samples: dict[str, list[dict[str, Any]]]) -> float:
+    if headline.scale is not None:
+        return headline.scale
+    from pipeline.eval.judge import judge_style
+
+    if not judge_style(task):  # a judged task's aggregation may call the judge: never run here
+        try:
+            return detected_scale(plan.yamls[task], headline.metric, samples.get(task, []))
+        except TypeError:  # an aggregation that needs more than the answers (lmms-eval's args)
+            pass
+    return 100.0 if headline.metric in FRACTIONS else 1.0
+
+
+def detected_scale(yaml_path: str, metric: str, samples: list[dict[str, Any]]) -> float:
+    """100 for a metric lmms-eval reports as a fraction, 1 for one in percent: the task's own
+    aggregation of single logged answers is at most 1 in the first case, and reaches above 1 for
+    any answer that scores in the second. When every answer scored 0 the score is 0 on either
+    scale (100 is returned)."""
+    import lmms_eval.api.metrics  # noqa: F401  (registers lmms-eval's named aggregations)
+    from lmms_eval.api.registry import get_aggregation
+    from lmms_eval.utils import load_yaml_config
+
+    config = load_yaml_config(yaml_path, mode="full")
+    entry = next((m for m in config.get("metric_list") or [] if m.get("metric") == metric), {})
+    aggregate = entry.get("aggregation", "mean")
+    aggregate = get_aggregation(aggregate) if isinstance(aggregate, str) else aggregate
+    values = [s[metric] for s in samples if metric in s][:SCALE_PROBES]
+    if aggregate is None or not values:
+        raise ValueError(f"{yaml_path}: the scale of '{metric}' cannot be read: no aggregation or no logged values")
+    singles = [aggregate([value]) for value in values]
+    return 1.0 if any(isinstance(v, int | float) and v > 1 for v in singles) else 100.0

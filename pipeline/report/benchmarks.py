@@ -119,7 +119,8 @@ def verdict(rows: list[dict[str, Any]], k: int) -> str:
 
 def notes(scores: dict[str, dict[str, Any]]) -> list[str]:
     """What a reader must know to read the table: how each group without an aggregate was scored,
-    each judge's failed judgements (under ``eval.judge.max_failures``), each job without a score."""
+    each judge's failed judgements (under ``eval.judge.max_failures``), each job without a score
+    (a failed re-run named as such), each earlier score left out because its settings differ."""
     found = []
     groups = {task: list(s["parts"]) for m in scores.values() for task, s in m["tasks"].items() if "parts" in s}
     for group, parts in groups.items():
@@ -131,8 +132,19 @@ def notes(scores: dict[str, dict[str, Any]]) -> list[str]:
         for task, count in s.get("judge_failures", {}).items():
             if count:
                 found.append(f"{model}, `{task}`: {count} failed judgements (within eval.judge.max_failures).")
+        stale = s.get("stale", {})
         for task, failure in s.get("failed", {}).items():
-            found.append(f"{model}, `{task}`: no score: {failure['error']}")
+            if task in stale:
+                found.append(
+                    f"{model}, `{task}`: no score: the re-run under this run's settings failed: {failure['error']}"
+                )
+            else:
+                found.append(f"{model}, `{task}`: no score: {failure['error']}")
+        for task, old in stale.items():
+            found.append(
+                f"{model}, `{task}`: an earlier score, {old['score']:.1f}, is kept on disk but not shown: "
+                f"it was scored with another {', '.join(old['differs'])} than this run's."
+            )
     return found
 
 

@@ -20,7 +20,7 @@ from pipeline.checkpoint import read_manifest as read_checkpoint_manifest
 from pipeline.config import RunConfig, load_config
 from pipeline.controls import controls_of
 from pipeline.data.manifest import read_manifest as read_data_manifest
-from pipeline.eval.benchmarks import CONSTANT, constant_answers, model_tasks, read_scores
+from pipeline.eval.benchmarks import CONSTANT, constant_answers, read_scores
 from pipeline.hub import ModelNotFoundError
 from pipeline.layout import (
     BRANCHES,
@@ -277,7 +277,7 @@ def benchmark_scores(cfg: RunConfig, run_dir: Path, models: list[Evaluation]) ->
     baseline's (the toy tasks' best single answers), when it was scored."""
     found = {}
     for name, checkpoint in [(m.name, m.checkpoint) for m in models] + [(CONSTANT, constant_answers(run_dir))]:
-        if scores := read_scores(run_dir, name, model_tasks(cfg, name), checkpoint):
+        if scores := read_scores(cfg, run_dir, name, checkpoint):
             found[name] = scores
     return found
 

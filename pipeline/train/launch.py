@@ -22,7 +22,9 @@ from pathlib import Path
 
 from pipeline import prestart
 from pipeline.checkpoint import is_complete, read_manifest
+from pipeline.devices import visible_devices
 from pipeline.threads import threads_per_process
+from pipeline.train.lifetime import parent_environment
 from pipeline.train.spec import BranchSpec
 
 KILLED = {137: "SIGKILL", 143: "SIGTERM", -9: "SIGKILL", -15: "SIGTERM"}
@@ -83,13 +85,6 @@ def command(spec_path: Path, processes: int, module: str = "pipeline.train.worke
     return [sys.executable, "-m", "pipeline.train.lifetime", *torchrun, f"--master_port={port}", *worker], {}
 
 
-def visible_devices(gpus: list[int], visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for a branch given device indices as this process sees them: through
-    the caller's own CUDA_VISIBLE_DEVICES (ids or UUIDs) when it has one."""
-    ids = visible.split(",") if visible else [str(i) for i in range(max(gpus) + 1)]
-    return ",".join(ids[i] for i in gpus)
-
-
 def train_branch(spec: BranchSpec, echo: bool = True, gpus: list[int] | None = None) -> BranchResult:
     """Train (or resume, or skip if already complete) one branch; returns a small result.
     ``gpus``: the devices this branch may use, when several branches share a machine."""
@@ -113,7 +108,7 @@ def rank_environment(ranks_sharing: int, gpus: list[int] | None) -> dict[str, st
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions")),
     }
     if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus)
     return env
 
 
@@ -126,7 +121,7 @@ def run_job(
     CPU cores at once (each gets its share of threads)."""
     out = Path(spec.out_dir)
     argv, rank_env = command(spec_path, spec.train.processes, module)
-    env = os.environ | rank_env | rank_environment(spec.train.processes * sharing, gpus)
+    env = os.environ | rank_env | rank_environment(spec.train.processes * sharing, gpus) | parent_environment()
     start = time.perf_counter()
     log = out / "train.log"
     with open(log, "a") as log_file:

@@ -17,15 +17,29 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# The pid a process' parent must have, set by the parent (:func:`parent_environment`) and by each
+# process that asked for its own death for the processes it starts: a process whose parent died
+# before the request was in place has been re-parented (to init or a subreaper), which only the
+# expected pid tells apart from a parent that is alive.
+PARENT = "MERIT_PARENT_PID"
+
+
+def parent_environment() -> dict[str, str]:
+    """What a process that starts one dying with it adds to its environment."""
+    return {PARENT: str(os.getpid())}
 
 
 def die_with_parent() -> None:
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    expected = os.environ.get(PARENT)
+    if expected == str(os.getpid()):  # asked already, by this same process (the module runner below)
+        return
+    parent = int(expected) if expected else os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the request was in place
         os._exit(1)
+    os.environ.update(parent_environment())  # for the processes this one starts (torchrun's ranks)
 
 
 if __name__ == "__main__":  # python -m pipeline.train.lifetime MODULE ARGS...: run MODULE, dying with the caller
