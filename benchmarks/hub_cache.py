@@ -40,11 +40,20 @@ def image(i: int, size: int = 56) -> PILImage.Image:
     return img
 
 
-def write_dataset_cache(hf_home: Path, repo_id: str, configs: dict[str, dict[str, Dataset]]) -> Path:
+def write_dataset_cache(
+    hf_home: Path,
+    repo_id: str,
+    configs: dict[str, dict[str, Dataset]],
+    shards: int = 1,
+    data_dir: bool = False,
+    extra: dict[str, bytes] | None = None,
+) -> Path:
     """``repo_id`` as a hub dataset cache under ``hf_home/hub``; returns the snapshot folder.
 
-    One parquet file per split: ``data/<split>-00000-of-00001.parquet`` for a data set with only the
-    ``default`` config, ``<config>/<split>-...`` for one with several (as the real repos lay them out).
+    ``shards`` parquet files per split: ``data/<split>-00000-of-00001.parquet`` for a data set with
+    only the ``default`` config, ``<config>/<split>-...`` for one with several (as the real repos lay
+    them out). The card lists each config's ``data_files``, or (``data_dir``) only its folder, as
+    some repos' cards do. ``extra``: more files (path in the repo -> bytes), e.g. images or archives.
     """
     repo = Path(hf_home) / "hub" / f"datasets--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / revision(repo_id)
@@ -53,13 +62,21 @@ def write_dataset_cache(hf_home: Path, repo_id: str, configs: dict[str, dict[str
     files: dict[str, Path] = {}
     for config, splits in configs.items():
         folder = "data" if single else config
-        card.append({"config_name": config, "data_files": []})
+        card.append(
+            {"config_name": config, "data_dir": folder} if data_dir else {"config_name": config, "data_files": []}
+        )
         for split, rows in splits.items():
-            rel = f"{folder}/{split}-00000-of-00001.parquet"
-            files[rel] = repo / "tmp" / rel
-            files[rel].parent.mkdir(parents=True, exist_ok=True)
-            _to_parquet(rows, files[rel])
-            card[-1]["data_files"].append({"split": split, "path": f"{folder}/{split}-*"})
+            for shard in range(shards):
+                rel = f"{folder}/{split}-{shard:05d}-of-{shards:05d}.parquet"
+                files[rel] = repo / "tmp" / rel
+                files[rel].parent.mkdir(parents=True, exist_ok=True)
+                _to_parquet(rows.shard(shards, shard, contiguous=True), files[rel])
+            if not data_dir:
+                card[-1]["data_files"].append({"split": split, "path": f"{folder}/{split}-*"})
+    for rel, content in (extra or {}).items():
+        files[rel] = repo / "tmp" / rel
+        files[rel].parent.mkdir(parents=True, exist_ok=True)
+        files[rel].write_bytes(content)
     readme = repo / "tmp" / "README.md"
     readme.write_text(f"---\n{yaml.safe_dump({'configs': card}, sort_keys=False)}---\n\n# {repo_id} (test copy)\n")
     files["README.md"] = readme

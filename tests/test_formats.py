@@ -1,13 +1,17 @@
 """Each loader on small fixture files written here."""
 
+import io
 import json
+import tarfile
+import zipfile
 
 import datasets
 import pytest
 from conftest import llava_record, small_config, write_image, write_json
 from PIL import Image
 
-from pipeline.data import load_sources
+from pipeline.data import DataError, load_sources
+from pipeline.data.formats import read_json_records
 
 
 def load(tmp_path, *sources, **data):
@@ -79,8 +83,16 @@ def test_jsonl_mixes_record_shapes_and_caps_examples(tmp_path):
     ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines * 3) + "\n\n")
-    loaded = load(tmp_path, {"name": "j", "format": "jsonl", "path": str(path), "max_examples": 4})
-    assert [ex.answer() for ex in loaded.examples["j"]] == ["red", "hello", "red", "hello"]
+    spec = {"name": "j", "format": "jsonl", "path": str(path), "max_examples": 4}
+    kept = load(tmp_path, spec).examples["j"]
+    # A seeded sample of 4 of the 6 records, in their order: not the first 4, the same on every load.
+    assert [ex.index for ex in kept] == [1, 3, 4, 5] and [ex.answer() for ex in kept] == [
+        "hello",
+        "hello",
+        "red",
+        "hello",
+    ]
+    assert [ex.index for ex in load(tmp_path, spec).examples["j"]] == [1, 3, 4, 5]
 
 
 def test_datasets_saved_to_disk_with_decoded_images(tmp_path):
@@ -115,3 +127,45 @@ def test_a_dataset_dict_folder_is_named(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"messages": [[]]})}).save_to_disk(tmp_path / "dd")
     with pytest.raises(DataError, match=r"dd: a DatasetDict with splits \['train'\]"):
         load(tmp_path, {"name": "h", "format": "hf_disk", "path": str(tmp_path / "dd")})
+
+
+def test_vision_flans_release_reads_its_images_inside_the_zip_as_shipped(tmp_path):
+    """The release's layout: the annotation file beside ``image_191-task_1k.zip``, whose members sit
+    under one top folder; no unzip step. A tar archive is read the same way."""
+    pictures = {name: Image.new("RGB", (40 + i, 30), colour) for i, (name, colour) in enumerate(
+        [("ocr_1.jpg", (250, 0, 0)), ("vqa_2.jpg", (0, 250, 0))]
+    )}  # fmt: skip
+    with zipfile.ZipFile(tmp_path / "image_191-task_1k.zip", "w") as archive:
+        for name, picture in pictures.items():
+            data = io.BytesIO()
+            picture.save(data, format="PNG")
+            archive.writestr(f"image_191-task_1k/images/{name}", data.getvalue())
+    records = [
+        {"id": str(i), "task_name": name.split("_")[0], "image": f"images/{name}",
+         "conversations": [{"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": name}]}
+        for i, name in enumerate(pictures)
+    ]  # fmt: skip
+    path = write_json(tmp_path / "annotation_191-task_1k.json", records)
+    loaded = load(tmp_path, {"name": "vflan", "format": "vision_flan", "path": str(path)})
+    for name, picture in pictures.items():
+        (example,) = loaded.examples[name.split("_")[0]]
+        assert repr(example.images[0]) == f"{tmp_path / 'image_191-task_1k.zip'}!image_191-task_1k/images/{name}"
+        assert example.load_images()[0].tobytes() == picture.tobytes()
+
+    tarred = tmp_path / "tarred"
+    tarred.mkdir()
+    with tarfile.open(tarred / "images.tar", "w") as archive:
+        archive.add(write_image(tmp_path / "loose" / "images" / "a.png"), arcname="images/a.png")
+    path = write_json(tarred / "llava.json", [llava_record("images/a.png")])
+    (example,) = load(tarred, {"name": "t", "format": "llava", "path": str(path)}).examples["t"]
+    assert example.load_images()[0].size == (64, 48)
+
+
+def test_a_json_annotation_file_is_read_a_chunk_at_a_time_and_a_cut_one_is_named(tmp_path):
+    records = [{"id": i, "text": "]" * (i % 9), "nested": [{"x": "[,"}]} for i in range(200)]
+    path = write_json(tmp_path / "big.json", records)
+    for chunk in (1, 5, 64, 1 << 20):  # records split across reads at every place
+        assert list(read_json_records(path, chunk)) == records
+    path.write_text(path.read_text()[:-40])
+    with pytest.raises(DataError, match=r"big.json record 19\d: cannot read JSON"):
+        list(read_json_records(path, 64))

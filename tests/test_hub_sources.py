@@ -4,6 +4,7 @@ shapes, through prepare, preflight and calibration."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 from pathlib import Path
@@ -22,8 +23,9 @@ from calibration.plots import clustered, plot_conflicts
 from calibration.split import plan_split
 from calibration.stage import refuse_small_sources
 from merit.cli import main as merit
-from pipeline.config import ConfigError, DataSection, load_config
+from pipeline.config import ConfigError, DataSection, SourceSpec, load_config
 from pipeline.data import DataError, active_sources, load_sources, prepare_data
+from pipeline.data.hub import check_hub_source
 from pipeline.layout import run_config
 from pipeline.preflight import PreflightError, check_run
 
@@ -98,15 +100,16 @@ def test_llava_onevision_subsets_load_by_their_names_with_images_decoded_when_en
     loaded = load_sources(data, seed=0)
     assert list(loaded.examples) == [f"ov/{s}" for s in subsets]
     examples = loaded.examples["ov/Task-004(source 4)"]
-    assert len(examples) == 7  # max_examples caps each subset
-    text_only, pictured = examples[0], examples[1]  # the fixture's every fifth row has no image
+    assert len(examples) == 7  # max_examples caps each subset: a seeded sample of its 10 rows
+    assert [ex.index for ex in examples] == [0, 2, 3, 4, 6, 8, 9]
+    text_only, pictured = examples[0], examples[1]  # rows 0 and 2: the fixture's every fifth row has no image
     assert text_only.images == [] and text_only.messages[0]["content"] == [
         {"type": "text", "text": "Task 4: what does picture 0 show?"}
     ]
     assert pictured.messages[0]["content"][0] == {"type": "image"}
-    assert repr(pictured.images[0]) == f"{ONEVISION}@{revision(ONEVISION)[:12]}:Task-004(source 4)/train#1"
+    assert repr(pictured.images[0]) == f"{ONEVISION}@{revision(ONEVISION)[:12]}:Task-004(source 4)/train#2"
     decoded = np.asarray(pictured.load_images()[0])
-    assert np.array_equal(decoded, np.asarray(image(4 + 1)))  # the stored picture of row 1, pixel for pixel
+    assert np.array_equal(decoded, np.asarray(image(4 + 2)))  # the stored picture of row 2, pixel for pixel
     assert pictured.fingerprint() == load_sources(data, seed=0).examples["ov/Task-004(source 4)"][1].fingerprint()
 
 
@@ -188,6 +191,114 @@ def test_a_malformed_record_is_named_and_follows_on_bad_record(offline_hub):
     loaded = load_sources(DataSection(sources=[spec], on_bad_record="skip"), seed=0)
     assert [e.index for e in loaded.examples["broken/one"]] == [0, 1, 3]
     assert len(loaded.skipped["broken/one"]) == 1
+
+
+def png(i: int) -> bytes:
+    out = io.BytesIO()
+    image(i).save(out, format="PNG")
+    return out.getvalue()
+
+
+CORRUPT = {"bytes": b"these bytes are no image", "path": None}
+
+
+def test_a_corrupt_image_in_a_two_shard_multi_turn_subset_is_skipped_by_name_and_counted(
+    offline_hub, processor, tmp_path
+):
+    features = Features(
+        {"images": List(Image()), "texts": List({"user": Value("string"), "assistant": Value("string")})}
+    )
+    rows = {
+        "images": [[CORRUPT] if i == 5 else [image(i), image(i + 1)] for i in range(8)],
+        "texts": [
+            [{"user": f"q{i}", "assistant": f"a{i}"}, {"user": f"again {i}", "assistant": f"b{i}"}] for i in range(8)
+        ],
+    }
+    write_dataset_cache(
+        offline_hub, "someone/corrupt", {"one": {"train": Dataset.from_dict(rows, features=features)}}, shards=2
+    )
+    entry = hub_source("corrupt", "someone/corrupt")
+    with pytest.raises(
+        DataError, match=r"someone/corrupt@[0-9a-f]{12}:one/train record 5: unreadable image: cannot identify"
+    ):
+        load_sources(DataSection(sources=[yaml.safe_load(entry)]), seed=0)
+    manifest = prepare_data(
+        small_config(f"data.sources=[{entry}]", "data.on_bad_record=skip"), tmp_path / "run", processor
+    )
+    source = manifest["sources"]["corrupt/one"]
+    assert source["examples"] == 7 and source["skipped"] == 1 and source["skipped_by_reason"] == {"unreadable image": 1}
+    # Both shards read, each image of a row decoded once when the row is encoded.
+    examples = load_sources(DataSection(sources=[yaml.safe_load(entry)], on_bad_record="skip"), seed=0).examples
+    (row,) = [ex for ex in examples["corrupt/one"] if ex.index == 7]
+    opened = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PILImage, "open", lambda *a, **k: opened.append(1) or OPEN(*a, **k))
+        decoded = row.load_images()
+    assert len(opened) == 2 and [np.asarray(d).tolist() for d in decoded] == [
+        np.asarray(image(i)).tolist() for i in (7, 8)
+    ]
+
+
+OPEN = PILImage.open
+
+
+def test_a_partly_downloaded_subset_is_refused_naming_its_missing_shards(offline_hub):
+    rows = {"texts": [[{"user": f"q{i}", "assistant": f"a{i}"}] for i in range(4)]}
+    features = Features({"texts": List({"user": Value("string"), "assistant": Value("string")})})
+    folder = write_dataset_cache(
+        offline_hub, "someone/partial", {"one": {"train": Dataset.from_dict(rows, features=features)}}, shards=2
+    )
+    (folder / "one" / "train-00001-of-00002.parquet").unlink()  # a download stopped halfway
+    with pytest.raises(
+        ConfigError, match=r"partly downloaded: 1 shard\(s\) missing \(one/train-00001-of-00002.parquet\)"
+    ):
+        check_hub_source(SourceSpec(**yaml.safe_load(hub_source("partial", "someone/partial"))))
+
+
+def test_path_images_untagged_rows_videos_and_data_dir_configs_are_read_as_the_hub_lays_them_out(
+    offline_hub, processor, tmp_path
+):
+    """LLaVA-shaped rows whose image column holds paths into the snapshot, one row with an image and
+    no <image> tag, one video entry; a card that names each config's data_dir only, with an archive
+    of images beside the parquet files that is no data file."""
+    features = Features(
+        {
+            "image": Value("string"),
+            "video": Value("string"),
+            "conversations": List({"from": Value("string"), "value": Value("string")}),
+        }
+    )
+    rows = {
+        "image": [f"images/{i}.png" if i != 3 else None for i in range(5)],
+        "video": [None, None, None, "clips/3.mp4", None],
+        "conversations": [
+            [{"from": "human", "value": ("" if i == 1 else "<image>\n") + f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]
+            for i in range(5)
+        ],
+    }
+    extra = {f"images/{i}.png": png(i) for i in range(5)} | {"paths/images.zip": b"PK an archive of images"}
+    write_dataset_cache(
+        offline_hub,
+        "someone/paths",
+        {"paths": {"train": Dataset.from_dict(rows, features=features)}},
+        data_dir=True,
+        extra=extra,
+    )
+    entry = hub_source("paths", "someone/paths")
+    manifest = prepare_data(
+        small_config(f"data.sources=[{entry}]", "data.on_bad_record=skip"), tmp_path / "run", processor
+    )
+    source = manifest["sources"]["paths/paths"]
+    assert (
+        source["examples"] == 4 and source["skipped_by_reason"] == {"video": 1} and source["image_tags_inserted"] == 1
+    )
+    examples = load_sources(DataSection(sources=[yaml.safe_load(entry)], on_bad_record="skip"), seed=0).examples[
+        "paths/paths"
+    ]
+    assert [ex.index for ex in examples] == [0, 1, 2, 4]
+    assert examples[1].messages[0]["content"][0] == {"type": "image"}  # the tag the row lacked
+    for ex in examples:
+        assert np.asarray(ex.load_images()[0]).tolist() == np.asarray(image(ex.index)).tolist()
 
 
 def test_sources_smaller_than_the_calibration_sample_are_refused_when_asked_naming_each():

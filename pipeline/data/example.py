@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,18 @@ ROLES = ("system", "user", "assistant")
 
 
 class DataError(ValueError):
-    """Bad input data; the message names the file (or source) and the record index."""
+    """Bad input data; the message names the file (or source) and the record index. ``reason``:
+    what kind of problem it is, the key ``on_bad_record: skip`` counts skips by (default: the
+    problem up to its first colon, numbers and quoted names left out)."""
 
-    def __init__(self, origin: str, index: int | None, problem: str):
+    def __init__(self, origin: str, index: int | None, problem: str, reason: str | None = None):
         self.origin, self.index, self.problem = origin, index, problem
+        self.reason = reason or _QUOTED.sub("…", _NUMBER.sub("N", problem.split(":")[0]))
         where = f"{origin} record {index}" if index is not None else origin
         super().__init__(f"{where}: {problem}")
+
+
+_NUMBER, _QUOTED = re.compile(r"\d+"), re.compile(r"'[^']*'|\"[^\"]*\"")
 
 
 @dataclass
@@ -38,6 +45,7 @@ class Example:
     messages: list[dict[str, Any]]
     images: list[ImageRef] = field(default_factory=list)
     token_ids: Any = None  # tensor of input ids cached by ``prepare``; None until attached
+    tags_inserted: int = 0  # <image> tags the reader put in (a row with images and none)
 
     def error(self, problem: str) -> DataError:
         return DataError(self.origin, self.index, problem)

@@ -22,6 +22,9 @@ Sources are named ``<entry name>/<subset>``; with ``source_column``, one per val
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import re
 import shlex
 from collections import defaultdict
 from collections.abc import Iterator
@@ -42,6 +45,10 @@ SHAPES = {  # text column -> the image columns that shape may have
     "messages": ("images", "image"),  # ShareGPT
 }
 READ_BATCH = 512  # rows of text read at a time
+VIDEO_COLUMNS = ("video", "videos")
+# The data files a subset is read from: the tables datasets reads (never an archive of images beside them).
+TABLES = [".parquet", ".arrow", ".jsonl", ".json", ".csv", ".tsv"]
+SHARD = re.compile(r"(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.(?P<ext>\w+)")
 
 
 class HubDataNotFoundError(ConfigError):
@@ -61,6 +68,11 @@ class HubDataset:
     def find(cls, spec: SourceSpec) -> HubDataset:
         folder = _snapshot(spec)
         return cls(spec, folder, _declared_subsets(folder))
+
+    @property
+    def links(self) -> Path | None:
+        """Where a hub cache's snapshot links point (its repo's ``blobs``): image paths may resolve there."""
+        return self.folder.parent.parent / "blobs" if self.folder.parent.name == "snapshots" else None
 
     @property
     def label(self) -> str:
@@ -93,10 +105,32 @@ class HubDataset:
                 f"source '{spec.name}': the files of subsets {sorted(missing)} of {self.label} are not in the "
                 f"cache {self.folder}. Download them first: `{download_command(spec, self.folder, patterns)}`"
             )
+        partial = {s: shards for s in names if (shards := self._absent_shards(s))}
+        if partial:
+            shards = sorted(f for fs in partial.values() for f in fs)
+            raise HubDataNotFoundError(
+                f"source '{spec.name}': subsets {sorted(partial)} of {self.label} are partly downloaded: "
+                f"{len(shards)} shard(s) missing ({', '.join(shards[:5])}{', …' if len(shards) > 5 else ''}). "
+                f"Download them first: `{download_command(spec, self.folder, shards)}`"
+            )
         return names
 
     def _absent_patterns(self, subset: str) -> list[str]:
         return [p for p in self.subsets[subset][self.spec.split] if not any(self.folder.glob(p))]
+
+    def _absent_shards(self, subset: str) -> list[str]:
+        """Shards of a ``<name>-00000-of-00004.<ext>`` series (the hub's naming) that are not here."""
+        present = {
+            f.relative_to(self.folder).as_posix()
+            for p in self.subsets[subset][self.spec.split]
+            for f in self.folder.glob(p)
+        }
+        absent = set()
+        for name in present:
+            if series := SHARD.fullmatch(name):
+                stem, count, ext = series["stem"], int(series["count"]), series["ext"]
+                absent |= {f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(count)} - present
+        return sorted(absent)
 
     def load(self, subset: str) -> Any:
         """The subset's split as a ``datasets.Dataset`` (memory-mapped; built once in the datasets cache).
@@ -109,7 +143,7 @@ class HubDataset:
 
         patterns = {self.spec.split: self.subsets[subset][self.spec.split]}
         try:
-            files = DataFilesDict.from_patterns(patterns, base_path=str(self.folder))
+            files = DataFilesDict.from_patterns(patterns, base_path=str(self.folder), allowed_extensions=TABLES)
             builder, kwargs = infer_module_for_data_files(files)
             return datasets.load_dataset(
                 builder, data_files=dict(files), split=self.spec.split, cache_dir=str(datasets_cache()), **kwargs
@@ -146,22 +180,32 @@ def download_command(spec: SourceSpec, folder: Path | None, patterns: list[str])
 
 def _declared_subsets(folder: Path) -> dict[str, dict[str, list[str]]]:
     """config -> split -> file patterns, from the card's ``configs:`` (``datasets``' own reading)."""
-    from datasets.data_files import get_data_patterns, sanitize_patterns
+    from datasets.data_files import DataFilesDict, get_data_patterns, sanitize_patterns
     from datasets.utils.metadata import MetadataConfigs
     from huggingface_hub import DatasetCard
 
     readme = folder / "README.md"
     configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data) if readme.is_file() else {}
-    if configs:
-        return {
-            name: {str(split): list(p) for split, p in sanitize_patterns(c.get("data_files", "**")).items()}
-            for name, c in configs.items()
+    subsets = {}
+    for name, config in (configs or {"default": {}}).items():
+        # As datasets reads a config: its data_files, else the data files found under its data_dir
+        # (else the whole folder), both relative to that data_dir.
+        where = config.get("data_dir")
+        prefix = f"{where.strip('/')}/" if where else ""
+        if config.get("data_files") is not None:
+            patterns = sanitize_patterns(config["data_files"])
+            subsets[name] = {str(split): [prefix + p for p in ps] for split, ps in patterns.items()}
+            continue
+        # Inferred patterns are alternatives (any may match): the files they find are the subset's.
+        try:
+            base = folder / where if where else folder
+            found = DataFilesDict.from_patterns(get_data_patterns(str(base)), str(base), allowed_extensions=TABLES)
+        except FileNotFoundError:
+            raise ConfigError(f"{folder}: config '{name}' has no data files to read") from None
+        subsets[name] = {
+            str(split): [Path(os.path.relpath(f, folder)).as_posix() for f in files] for split, files in found.items()
         }
-    try:
-        inferred = get_data_patterns(str(folder))
-    except FileNotFoundError:
-        raise ConfigError(f"{folder}: no configs in its README and no data files to infer one from") from None
-    return {"default": {str(split): list(p) for split, p in inferred.items()}}
+    return subsets
 
 
 def check_hub_source(spec: SourceSpec) -> int:
@@ -170,27 +214,41 @@ def check_hub_source(spec: SourceSpec) -> int:
 
 
 class HubImage:
-    """One image of one row, decoded when called (an :class:`~pipeline.data.example.ImageRef`); its repr
-    names it, for the example's fingerprint."""
+    """One image of one row, decoded when called (an :class:`~pipeline.data.example.ImageRef`), alone:
+    the row's column is read undecoded (its bytes), so a row of three images decodes three, not nine.
+    :meth:`check` reads its header only. Its repr names it, for the example's fingerprint."""
 
     def __init__(self, table: Any, origin: str, row: int, position: int | None):
         self.table, self.origin, self.row, self.position = table, origin, row, position
 
     def __call__(self) -> Image.Image:
+        with self._opened() as image:
+            try:
+                return image.convert("RGB")
+            except OSError as err:  # a header that reads, pixels that do not
+                raise DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image") from err
+
+    def check(self) -> None:
+        """Raise the DataError of an image whose header does not read (corrupt or missing bytes)."""
+        with self._opened():
+            pass
+
+    def _opened(self) -> Image.Image:
         value = self.table[self.row][self.table.column_names[0]]
         try:
-            image = value if self.position is None else value[self.position]
-            return image.convert("RGB")
-        except (OSError, UnidentifiedImageError, AttributeError, IndexError) as err:
-            raise DataError(self.origin, self.row, f"unreadable image: {err}") from err
+            stored = value if self.position is None else value[self.position]
+            return Image.open(io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored["path"])
+        except (OSError, UnidentifiedImageError, TypeError, KeyError, IndexError) as err:
+            raise DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image") from err
 
     def __repr__(self) -> str:
         return f"{self.origin}#{self.row}" + ("" if self.position is None else f"[{self.position}]")
 
 
-def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]]]]:
-    """``(source name, parser, records)`` per source of a hub entry: records as the LLaVA and
-    ShareGPT readers give them, ``(row, record)``, images as :class:`HubImage` (or paths in the snapshot)."""
+def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]], int]]:
+    """``(source name, parser, records, their number)`` per source of a hub entry: records as the
+    LLaVA and ShareGPT readers give them, ``(row, record)``, images as :class:`HubImage` (or paths in
+    the snapshot)."""
     data = HubDataset.find(spec)
     subsets = data.wanted()
     for subset in subsets:
@@ -202,15 +260,16 @@ def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[
         rows = _rows(table, text, spec.source_column, origin)
         if spec.source_column is None:
             name = f"{spec.name}/{subset}"
-            yield name, RecordParser(name, origin, data.folder), _records(rows, text, images)
+            yield name, RecordParser(name, origin, data.folder, data.links), _records(rows, text, images), len(table)
             continue
         by_value: dict[str, list[tuple[int, Any]]] = defaultdict(list)
-        for row, value, turns in rows:
-            by_value[str(value)].append((row, value, turns))
+        for row, value, turns, video in rows:
+            by_value[str(value)].append((row, value, turns, video))
         prefix = spec.name if len(subsets) == 1 else f"{spec.name}/{subset}"
         for value, grouped in sorted(by_value.items()):
             name = f"{prefix}/{value}"
-            yield name, RecordParser(name, origin, data.folder), _records(iter(grouped), text, images)
+            parser = RecordParser(name, origin, data.folder, data.links)
+            yield name, parser, _records(iter(grouped), text, images), len(grouped)
 
 
 def _renamed(table: Any, columns: dict[str, str], where: str) -> Any:
@@ -235,43 +294,58 @@ def _shape(columns: list[str], origin: str, name: str) -> tuple[str, str | None]
 
 class _Images:
     """A subset's image column: images per row, from the Arrow column's list lengths (or validity:
-    LLaVA's ``image`` holds one or none), so that no image bytes are read, and each as a HubImage."""
+    LLaVA's ``image`` holds one or none), so that no image bytes are read, and each as a HubImage,
+    or, for a column of path strings, as the paths (relative to the snapshot, where the parser
+    resolves them)."""
 
     def __init__(self, table: Any, column: str | None, origin: str):
         import pyarrow as pa
         import pyarrow.compute as pc
+        from datasets import Image as ImageFeature
+        from datasets import List
 
-        self.origin, self.counts, self.table, self.single = origin, None, None, False
+        self.origin, self.counts, self.table, self.single, self.paths = origin, None, None, False, None
         if column is None:
             return
         values = table.data.table.column(column)
         self.single = not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type))
         lengths = pc.cast(values.is_valid(), pa.int64()) if self.single else pc.list_value_length(values)
         self.counts = pc.fill_null(lengths, 0).to_pylist()
-        self.table = table.select_columns([column])
+        item = values.type if self.single else values.type.value_type
+        if pa.types.is_string(item) or pa.types.is_large_string(item):  # paths in the snapshot
+            self.paths = values.to_pylist()
+            return
+        undecoded = ImageFeature(decode=False)
+        self.table = table.select_columns([column]).cast_column(column, undecoded if self.single else List(undecoded))
 
-    def of(self, row: int) -> list[HubImage]:
+    def of(self, row: int) -> list[HubImage | str]:
         n = self.counts[row] if self.counts else 0
+        if self.paths is not None:
+            return [p for p in ([self.paths[row]] if self.single else self.paths[row] or []) if p is not None]
         return [HubImage(self.table, self.origin, row, None if self.single else i) for i in range(n)]
 
 
-def _rows(table: Any, text: str, source_column: str | None, origin: str) -> Iterator[tuple[int, Any, Any]]:
-    """``(row, source column value, text)``, read a batch of columns at a time."""
+def _rows(table: Any, text: str, source_column: str | None, origin: str) -> Iterator[tuple[int, Any, Any, Any]]:
+    """``(row, source column value, text, video)``, read a batch of columns at a time (a video
+    column's entry, which the parser refuses until videos are supported)."""
     if source_column is not None and source_column not in table.column_names:
         raise DataError(origin, None, f"source_column '{source_column}' is not a column ({table.column_names})")
-    columns = [text] + ([source_column] if source_column else [])
+    video = next((c for c in VIDEO_COLUMNS if c in table.column_names), None)
+    columns = [text] + ([source_column] if source_column else []) + ([video] if video else [])
     row = 0
     for batch in table.select_columns(columns).iter(batch_size=READ_BATCH):
-        values = batch[source_column] if source_column else [None] * len(batch[text])
-        for value, turns in zip(values, batch[text], strict=True):
-            yield row, value, turns
+        absent = [None] * len(batch[text])
+        values, videos = batch[source_column] if source_column else absent, batch[video] if video else absent
+        for value, turns, clip in zip(values, batch[text], videos, strict=True):
+            yield row, value, turns, clip
             row += 1
 
 
-def _records(rows: Iterator[tuple[int, Any, Any]], text: str, images: _Images) -> Iterator[tuple[int, Any]]:
-    for row, _, turns in rows:
+def _records(rows: Iterator[tuple[int, Any, Any, Any]], text: str, images: _Images) -> Iterator[tuple[int, Any]]:
+    for row, _, turns, video in rows:
         refs = images.of(row)
-        yield row, _cauldron_record(turns, refs) if text == "texts" else {text: turns, "images": refs}
+        record = _cauldron_record(turns, refs) if text == "texts" else {text: turns, "images": refs}
+        yield row, record | ({"video": video} if video else {})
 
 
 def _cauldron_record(turns: Any, images: list[HubImage]) -> Any:

@@ -88,7 +88,9 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
                     "heldout_indices": heldout,
                     "max_examples": loaded.entries[name].max_examples,  # the cap its entry sets (None: none)
                     "skipped": len(loaded.skipped.get(name, [])),
+                    "skipped_by_reason": dict(loaded.skipped_by_reason.get(name, {})),
                     "skipped_reasons": loaded.skipped.get(name, [])[:SKIPPED_SHOWN],
+                    "image_tags_inserted": sum(ex.tags_inserted > 0 for ex in examples),
                 }
             )
     for name, reasons in loaded.skipped.items():  # sources dropped whole (empty after skipping)
@@ -97,6 +99,7 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
                 "role": loaded.roles[name],
                 "dropped": True,
                 "skipped": len(reasons),
+                "skipped_by_reason": dict(loaded.skipped_by_reason.get(name, {})),
                 "skipped_reasons": reasons[:SKIPPED_SHOWN],
             }
     manifest = {"config_digest": digest, "max_length": cfg.data.max_length, "sources": sources}

@@ -6,8 +6,9 @@ the entry's own role (``unseen`` or ``retention``: evaluated, never trained on).
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -27,7 +28,8 @@ class LoadedSources:
     formats: dict[str, str] = field(default_factory=dict)
     entries: dict[str, SourceSpec] = field(default_factory=dict)  # the config entry of each source
     roles: dict[str, str] = field(default_factory=dict)  # also of the sources dropped whole
-    skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source -> reasons
+    skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source -> messages
+    skipped_by_reason: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # source -> counts
 
     def add(self, name: str, spec: SourceSpec, examples: list[Example]) -> None:
         if name in self.examples:
@@ -38,14 +40,19 @@ class LoadedSources:
 class _Policy:
     """``on_bad_record``: ``error`` re-raises the DataError, ``skip`` records it and goes on."""
 
-    def __init__(self, mode: str, loaded: LoadedSources):
-        self.mode, self.loaded = mode, loaded
+    def __init__(self, mode: str, loaded: LoadedSources, seed: int):
+        self.mode, self.loaded, self.seed = mode, loaded, seed
 
-    def parse_all(self, parser: RecordParser, records: Iterable[tuple[int, Any]], limit: int | None) -> list[Example]:
+    def parse_all(
+        self, parser: RecordParser, records: Iterable[tuple[int, Any]], limit: int | None, total: int
+    ) -> list[Example]:
+        """The source's ``total`` records parsed; with ``limit``, a seeded sample of that many
+        (fewer when some are bad), in their order, never only the first ones."""
+        kept = sampled(total, limit, self.seed, parser.source)
         examples = []
-        for index, raw in records:
-            if limit is not None and len(examples) >= limit:
-                break
+        for position, (index, raw) in enumerate(records):
+            if kept is not None and position not in kept:
+                continue
             try:
                 examples.append(parser.parse(index, raw))
             except DataError as err:
@@ -56,6 +63,15 @@ class _Policy:
         if self.mode == "error":
             raise err
         self.loaded.skipped[source].append(str(err))
+        self.loaded.skipped_by_reason[source][err.reason] += 1
+
+
+def sampled(total: int, limit: int | None, seed: int, source: str) -> set[int] | None:
+    """The positions a source with ``limit`` keeps of its ``total`` records: a sample seeded by the
+    run's seed and the source's name (None: all of them)."""
+    if limit is None or limit >= total:
+        return None
+    return set(random.Random(f"{seed}:{source}").sample(range(total), limit))
 
 
 def load_sources(
@@ -64,7 +80,7 @@ def load_sources(
     """The sources of ``data.sources`` and of the run's ``warmup.sources`` and ``eval.sources``
     (``warmup`` and ``evaluated``), each with its role; every list given must yield a source."""
     loaded = LoadedSources()
-    policy = _Policy(data.on_bad_record, loaded)
+    policy = _Policy(data.on_bad_record, loaded, seed)
     lists = {
         "data.sources": [(spec, "finetune") for spec in data.sources],
         "warmup.sources": [(spec, "warmup") for spec in warmup or []],
@@ -98,21 +114,34 @@ def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy)
     if spec.format == "vision_flan":
         return _load_vision_flan(spec, path, images_dir, policy)
     readers = {
-        "llava": lambda: enumerate(read_json_records(path)),
-        "sharegpt": lambda: enumerate(read_json_records(path)),
-        "jsonl": lambda: read_jsonl_records(path),
-        "hf_disk": lambda: enumerate(read_hf_disk_records(path)),
+        "llava": lambda: list(enumerate(read_json_records(path))),
+        "sharegpt": lambda: list(enumerate(read_json_records(path))),
+        "jsonl": lambda: list(read_jsonl_records(path)),
+        "hf_disk": lambda: _indexed(read_hf_disk_records(path)),
     }
-    parser = RecordParser(spec.name, path, images_dir)
-    return {spec.name: policy.parse_all(parser, readers[spec.format](), spec.max_examples)}
+    parser, records = RecordParser(spec.name, path, images_dir), readers[spec.format]()
+    return {spec.name: policy.parse_all(parser, records, spec.max_examples, len(records))}
+
+
+class _indexed:
+    """A ``datasets.Dataset``'s rows as ``(index, row)``, with its length, read as iterated."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return enumerate(self.dataset)
 
 
 def _load_hub(spec: SourceSpec, policy: _Policy) -> dict[str, list[Example]]:
     """One source per subset (or per value of ``source_column``) of a hub data set."""
     out = {}
     with local_datasets():
-        for name, parser, records in hub_records(spec):
-            out[name] = policy.parse_all(parser, records, spec.max_examples)
+        for name, parser, records, total in hub_records(spec):
+            out[name] = policy.parse_all(parser, records, spec.max_examples, total)
     return out
 
 
@@ -130,6 +159,8 @@ def _load_vision_flan(spec: SourceSpec, path: Path, images_dir: Path, policy: _P
     if missing:
         raise DataError(str(path), None, f"tasks not in the annotation file: {missing}")
     return {
-        task: policy.parse_all(RecordParser(task, path, images_dir), by_task[task], spec.max_examples)
+        task: policy.parse_all(
+            RecordParser(task, path, images_dir), by_task[task], spec.max_examples, len(by_task[task])
+        )
         for task in wanted
     }

@@ -140,8 +140,17 @@ def run_facts(records: RunRecords) -> dict[str, Any]:
         "sources": list(active_sources(data)),
         "sources_by_role": dict(Counter(i.get("role", "finetune") for i in active_sources(data, None).values())),
         "dropped_sources": sorted(s for s, info in data["sources"].items() if info.get("dropped")),
+        "skipped_records": skipped_records(data),
         "source": records.source,
     }
+
+
+def skipped_records(data: dict[str, Any]) -> dict[str, int]:
+    """Records ``on_bad_record: skip`` left out, by reason, over every source (most first)."""
+    counts = Counter()
+    for info in data["sources"].values():
+        counts.update(info.get("skipped_by_reason", {}))
+    return dict(counts.most_common())
 
 
 def model_rows(evaluations: list[Evaluation]) -> list[dict[str, Any]]:

@@ -103,6 +103,9 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
         f"Run directory `{run['run_dir']}`, config digest `{run['config_digest']}`, "
         f"model `{run['model']}`; sources: {counts}{dropped}.",
     ]
+    if skipped := run.get("skipped_records"):
+        reasons = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+        lines += ["", f"Records left out (`data.on_bad_record: skip`): {sum(skipped.values())} ({reasons})."]
     if source := run.get("source"):
         lines += ["", f"Every checkpoint is written in the stored layout of `{source['path']}`: {source['layout']}."]
 
