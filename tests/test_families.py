@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from pipeline.config import TrainSection
 from pipeline.data.builtin import make_example
 from pipeline.data.encode import Collator, Encoder
+from pipeline.data.example import Example
 from pipeline.data.packed import PackedCollator
 from pipeline.merge import CheckpointReader, MergeInputError, MergeSpec, merge_checkpoints
 from pipeline.merge.io import TensorInfo, check_complete
@@ -55,6 +56,41 @@ def theta0(request, tmp_path_factory):
     cfg = small_config(f"model.name_or_path={name}")
     run_dir = tmp_path_factory.mktemp(request.param)
     return request.param, cfg, init_model(cfg, run_dir)["path"]
+
+
+IMAGE_SIZES = [(20, 20), (33, 200), (500, 60), (224, 224), (1200, 900), (97, 301)]  # (width, height)
+
+
+def test_prepares_token_ids_from_image_sizes_are_the_processors_on_every_family(theta0):
+    """prepare's path (each image's size from its header, the processor's own count and spelling of
+    its tokens, nothing decoded) gives the full path's ids and labels, equal, whatever the size,
+    several images to an example, and truncation."""
+    from PIL import Image
+
+    _, _, path = theta0
+    processor = AutoProcessor.from_pretrained(path)
+    images = [Image.new("RGB", size, (40 * i, 120, 200)) for i, size in enumerate(IMAGE_SIZES)]
+
+    def example(index: int, pictures: list) -> Example:
+        question = [{"type": "image"}] * len(pictures) + [{"type": "text", "text": "What is shown?"}]
+        answer = [{"type": "text", "text": "Shapes in colours."}]
+        return Example(
+            "s",
+            index,
+            "sizes",
+            [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            pictures,
+        )
+
+    examples = [example(i, [image]) for i, image in enumerate(images)] + [example(9, images[:3]), example(10, [])]
+    for max_length in (4096, 40):  # 40: some cut inside or after their images
+        encoder = Encoder(processor, max_length)
+        counted = encoder.encode_counted(examples)
+        for ex, fast in zip(examples, counted, strict=True):
+            full = encoder(ex)
+            assert torch.equal(fast.input_ids, full.input_ids) and torch.equal(fast.labels, full.labels), ex.index
+            assert fast.truncated == full.truncated
+        assert any(enc.truncated for enc in counted) == (max_length == 40)
 
 
 def test_a_tiny_model_is_its_familys_own_class_and_trains_on_an_image_example(theta0):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from qwen_vl_utils import process_vision_info
+from qwen_vl_utils.vision_process import SPATIAL_MERGE_SIZE, smart_resize
 
 from pipeline.data.example import DataError, Example
 
@@ -117,6 +118,49 @@ class Encoder:
         rows = [batch["input_ids"][r][batch["attention_mask"][r].bool()] for r in range(len(examples))]
         out = self._assemble(rows, [len(i) for i in images], batch.get("pixel_values"), batch.get("image_grid_thw"))
         return [self._truncate(enc) if enc.num_tokens > self.max_length else enc for enc in out]
+
+    def encode_counted(self, examples: list[Example]) -> list[Encoded]:
+        """What :meth:`encode_batch` gives without its pixels: the same token ids, labels and
+        truncation, from each image's size alone (read from its header). The tokens an image takes
+        are the processor's own count (transformers' ``_get_num_multimodal_tokens``: its image
+        processor's resize arithmetic) of the image as the full path sizes it (qwen-vl-utils'
+        resize first, for a Qwen family), spelled out by the processor's own
+        ``replace_image_token``: no image is decoded, resized or cut into patches. What ``prepare``
+        runs: it keeps only the ids."""
+        texts = [
+            self.processor.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=False)
+            for ex in examples
+        ]
+        sizes = [self._as_resized(ex, *size) for ex in examples for size in ex.image_sizes()]
+        if sizes:
+            counted = self.processor._get_num_multimodal_tokens(image_sizes=sizes)
+            patches = [int(n) for n in counted.num_image_patches]
+            laid_out = {"image_grid_thw": torch.tensor([[1, 1, n] for n in patches]), "num_patches": patches}
+            images = [self.processor.replace_image_token(laid_out, image_idx=i) for i in range(len(patches))]
+            texts = self.processor.get_text_with_replacements(texts, images, [], [])[0]
+        rows = [torch.tensor(ids) for ids in self.processor.tokenizer(texts)["input_ids"]]
+        out = []
+        for input_ids in rows:
+            grid = (input_ids == self.vision.token).long() if self.vision.grids else None
+            enc = Encoded(input_ids, self.assistant_labels(input_ids), grid, None, None, truncated=False)
+            out.append(self._truncate(enc) if enc.num_tokens > self.max_length else enc)
+        return out
+
+    def _as_resized(self, example: Example, width: int, height: int) -> tuple[int, int]:
+        """(height, width) of an image as the full path hands it to the processor: resized by
+        qwen-vl-utils to the patch grid and pixel bounds for a Qwen family, as it is otherwise.
+        An image so thin that the resize leaves no row or column is refused, as the full path's
+        resize refuses it."""
+        if self.vision.patch_size is None:
+            return height, width
+        factor = self.vision.patch_size * SPATIAL_MERGE_SIZE
+        try:
+            resized = smart_resize(height, width, factor=factor, **self.pixel_bounds)
+        except ValueError as err:  # qwen-vl-utils' limit on the aspect ratio
+            raise example.error(f"cannot encode: {err}") from err
+        if min(resized) == 0:
+            raise example.error(f"cannot encode: an image of {width}×{height} resizes to {resized[1]}×{resized[0]}")
+        return resized
 
     def render(self, examples: list[Example], generation_prompt: bool = False) -> tuple[list[str], list[list[Any]]]:
         """Each example's chat-template text and its images, sized for the processor; with

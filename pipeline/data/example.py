@@ -53,6 +53,23 @@ class Example:
     def load_images(self) -> list[Image.Image]:
         return [self._open(ref) for ref in self.images]
 
+    def image_sizes(self) -> list[tuple[int, int]]:
+        """(width, height) of each image, from its header where it has one (nothing decoded)."""
+        return [self._size(ref) for ref in self.images]
+
+    def _size(self, ref: ImageRef) -> tuple[int, int]:
+        if isinstance(ref, Image.Image):
+            return ref.size
+        if hasattr(ref, "header_size"):  # a hub image, an archive member
+            return ref.header_size()
+        if callable(ref):  # drawn when asked (the built-in corpus)
+            return ref().size
+        try:
+            with Image.open(ref) as img:
+                return img.size
+        except (OSError, UnidentifiedImageError) as err:
+            raise self.error(f"unreadable image {ref}: {err}") from err
+
     def _open(self, ref: ImageRef) -> Image.Image:
         if isinstance(ref, Image.Image):
             return ref.convert("RGB")

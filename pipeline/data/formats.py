@@ -224,8 +224,12 @@ class ArchiveImage:
             return image.convert("RGB")
 
     def check(self) -> None:
-        with self._opened():
-            pass
+        self.header_size()
+
+    def header_size(self) -> tuple[int, int]:
+        """(width, height), from the header."""
+        with self._opened() as image:
+            return image.size
 
     def _opened(self) -> Image.Image:
         try:

@@ -230,8 +230,12 @@ class HubImage:
 
     def check(self) -> None:
         """Raise the DataError of an image whose header does not read (corrupt or missing bytes)."""
-        with self._opened():
-            pass
+        self.header_size()
+
+    def header_size(self) -> tuple[int, int]:
+        """(width, height), from the header."""
+        with self._opened() as image:
+            return image.size
 
     def _opened(self) -> Image.Image:
         value = self.table[self.row][self.table.column_names[0]]

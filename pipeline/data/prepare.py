@@ -119,15 +119,16 @@ def _heldout(cfg: RunConfig, loaded: LoadedSources, name: str) -> list[int]:
 def _encode_source(
     examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path, budget: int | None
 ) -> dict[str, int]:
-    """Encode one source in batches: count its tokens and cache its token ids. A training example
-    longer than a packed micro batch (``budget``) is refused, named, before anything trains."""
+    """Encode one source in batches: count its tokens and cache its token ids, from its images'
+    sizes alone (:meth:`Encoder.encode_counted`: no image decoded). A training example longer
+    than a packed micro batch (``budget``) is refused, named, before anything trains."""
     counts = dict.fromkeys(
         ("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0
     )
     encoded = (
         enc
         for i in range(0, len(examples), ENCODE_BATCH)
-        for enc in encoder.encode_batch(examples[i : i + ENCODE_BATCH])
+        for enc in encoder.encode_counted(examples[i : i + ENCODE_BATCH])
     )
     ids = []
     for position, enc in enumerate(encoded):
