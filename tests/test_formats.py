@@ -169,3 +169,15 @@ def test_a_json_annotation_file_is_read_a_chunk_at_a_time_and_a_cut_one_is_named
     path.write_text(path.read_text()[:-40])
     with pytest.raises(DataError, match=r"big.json record 19\d: cannot read JSON"):
         list(read_json_records(path, 64))
+
+
+def test_a_truncated_image_passes_the_header_read_and_is_named_by_its_record_when_decoded(tmp_path):
+    data = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(data, format="PNG")
+    with zipfile.ZipFile(tmp_path / "images.zip", "w") as archive:
+        archive.writestr("images/cut.png", data.getvalue()[:-30])  # its header whole, its pixels cut
+    path = write_json(tmp_path / "llava.json", [llava_record("images/cut.png")])
+    (example,) = load(tmp_path, {"name": "t", "format": "llava", "path": str(path)}).examples["t"]
+    assert example.image_sizes() == [(64, 48)]  # what prepare reads
+    with pytest.raises(DataError, match=r"llava.json record 0: unreadable image images/cut.png"):
+        example.load_images()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,9 @@ from PIL import Image, UnidentifiedImageError
 ImageRef = Path | Image.Image | Callable[[], Image.Image]
 
 ROLES = ("system", "user", "assistant")
+# What PIL raises on an image it cannot decode: OSError (UnidentifiedImageError, "image file is
+# truncated"), and from inside a decoder on cut data, struct.error, SyntaxError or ValueError.
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, struct.error)
 
 
 class DataError(ValueError):
@@ -74,11 +78,14 @@ class Example:
         if isinstance(ref, Image.Image):
             return ref.convert("RGB")
         if callable(ref):
-            return ref()
+            try:
+                return ref()
+            except DataError as err:  # an archive member names its archive: the record is named here
+                raise self.error(err.problem) from err
         try:
             with Image.open(ref) as img:
                 return img.convert("RGB")
-        except (OSError, UnidentifiedImageError) as err:
+        except DECODE_ERRORS as err:
             raise self.error(f"unreadable image {ref}: {err}") from err
 
     def fingerprint(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.example import DataError, Example, ImageRef
+from pipeline.data.example import DECODE_ERRORS, DataError, Example, ImageRef
 
 IMAGE_TAG = "<image>"
 JSON_CHUNK = 1 << 22  # characters of a JSON annotation file read at a time
@@ -221,7 +221,10 @@ class ArchiveImage:
 
     def __call__(self) -> Image.Image:
         with self._opened() as image:
-            return image.convert("RGB")
+            try:
+                return image.convert("RGB")
+            except DECODE_ERRORS as err:  # a header that reads, pixels that do not
+                raise DataError(str(self.archive), None, f"unreadable image {self.member}: {err}") from err
 
     def check(self) -> None:
         self.header_size()

@@ -35,7 +35,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.config import ConfigError, SourceSpec
-from pipeline.data.example import DataError
+from pipeline.data.example import DECODE_ERRORS, DataError
 from pipeline.data.formats import RecordParser
 from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache
 
@@ -225,7 +225,7 @@ class HubImage:
         with self._opened() as image:
             try:
                 return image.convert("RGB")
-            except OSError as err:  # a header that reads, pixels that do not
+            except DECODE_ERRORS as err:  # a header that reads, pixels that do not
                 raise DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image") from err
 
     def check(self) -> None:
