@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import small_config
 
+import pipeline.data.prepare as prepare_module
 from calibration.stage import calibrate
 from pipeline.data import Encoder, active_sources, load_split, prepare_data, read_manifest
 from pipeline.data.builtin import UNSEEN
@@ -59,6 +60,33 @@ def test_prepare_is_idempotent_and_redone_when_the_config_changes(tmp_path, proc
     manifest = prepare_data(changed, tmp_path, processor_for(changed))
     assert path.stat().st_mtime_ns != stamp
     assert manifest["sources"]["caption"]["truncated"] > 0
+
+
+def test_a_prepare_stopped_halfway_encodes_only_the_sources_it_had_not_finished(tmp_path, processor, monkeypatch):
+    cfg = small_config()
+    whole = prepare_data(cfg, tmp_path / "whole", processor)
+    encode, encoded = prepare_module._encode_source, []
+
+    def stopping(examples, *args):
+        if len(encoded) == 2:
+            raise KeyboardInterrupt  # stopped while the third source encodes
+        encoded.append(examples[0].source)
+        return encode(examples, *args)
+
+    monkeypatch.setattr(prepare_module, "_encode_source", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, tmp_path / "run", processor)
+    tokens = sorted((tmp_path / "run" / "data" / "tokens").glob("*.safetensors"))
+    assert len(tokens) == 2 and not (tmp_path / "run" / "data" / "manifest.json").exists()
+    stamps = {t: t.stat().st_mtime_ns for t in tokens}
+
+    def counted(examples, *args):
+        encoded.append(examples[0].source)
+        return encode(examples, *args)
+
+    monkeypatch.setattr(prepare_module, "_encode_source", counted)
+    assert prepare_data(cfg, tmp_path / "run", processor) == whole  # the same manifest as one whole prepare
+    assert {t: t.stat().st_mtime_ns for t in tokens} == stamps and len(encoded) == len(whole["sources"])
 
 
 def test_heldout_indices_are_seeded_and_bounded():

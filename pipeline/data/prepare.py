@@ -7,7 +7,9 @@ supervised tokens, the cap its entry set (``max_examples``), truncated and skipp
 Eval-only sources (unseen, retention) are held out whole: they never train. Train tokens are the
 token-weighted merge's weights and the split planner's balance. The token ids themselves are kept
 in ``data/tokens/<n>.safetensors`` (concatenated ids + offsets) so that later stages encode only
-images; :func:`load_split` attaches them to the examples it returns.
+images; :func:`load_split` attaches them to the examples it returns. Each source's counts are
+written beside its ids (``<n>.json``) as soon as it is encoded: a prepare stopped halfway (a kill,
+a bad record) encodes again only the sources it had not finished.
 """
 
 from __future__ import annotations
@@ -78,8 +80,15 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
         for number, (name, examples) in enumerate(loaded.examples.items()):
             heldout = _heldout(cfg, loaded, name)
             tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
+            tokens_path, record = Path(run_dir) / tokens_file, Path(run_dir) / tokens_file.with_suffix(".json")
+            counts = None if force else _encoded_before(record, tokens_path, digest, name, examples)
+            if counts is None:
+                counts = _encode_source(examples, set(heldout), encoder, bar, tokens_path, budget)
+                write_json_atomic(record, {"config_digest": digest, "source": name, "counts": counts})
+            else:
+                bar.update(len(examples))
             sources[name] = (
-                _encode_source(examples, set(heldout), encoder, bar, Path(run_dir) / tokens_file, budget)
+                counts
                 | {
                     "role": loaded.roles[name],
                     "tokens_file": str(tokens_file),
@@ -105,6 +114,19 @@ def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force:
     manifest = {"config_digest": digest, "max_length": cfg.data.max_length, "sources": sources}
     write_json_atomic(path, manifest)
     return manifest
+
+
+def _encoded_before(
+    record: Path, tokens: Path, digest: str, name: str, examples: list[Example]
+) -> dict[str, int] | None:
+    """A source's counts from a prepare that encoded it before being stopped (its record beside its
+    token ids, under the same config, for the same examples: their fingerprints), so that a
+    killed prepare encodes only the sources it had not finished; None otherwise."""
+    done = json.loads(record.read_text()) if record.is_file() and tokens.is_file() else None
+    if not done or done["config_digest"] != digest or done["source"] != name:
+        return None
+    cached = load_file(str(tokens))["fingerprints"].tolist()
+    return done["counts"] if cached == [ex.fingerprint() for ex in examples] else None
 
 
 def _heldout(cfg: RunConfig, loaded: LoadedSources, name: str) -> list[int]:
