@@ -8,7 +8,7 @@ import zipfile
 import datasets
 import pytest
 from conftest import llava_record, small_config, write_image, write_json
-from PIL import Image
+from PIL import Image, ImageFile
 
 from pipeline.data import DataError, load_sources
 from pipeline.data.formats import read_json_records
@@ -171,7 +171,10 @@ def test_a_json_annotation_file_is_read_a_chunk_at_a_time_and_a_cut_one_is_named
         list(read_json_records(path, 64))
 
 
-def test_a_truncated_image_passes_the_header_read_and_is_named_by_its_record_when_decoded(tmp_path):
+def test_a_truncated_image_passes_the_header_read_and_is_named_by_its_record_when_decoded(tmp_path, monkeypatch):
+    # PIL's own default; lmms-eval's task module sets it to True in any process that imports it
+    # (then a cut image decodes padded), which a test run may have done before this test.
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", False)
     data = io.BytesIO()
     Image.new("RGB", (64, 48), (10, 200, 30)).save(data, format="PNG")
     with zipfile.ZipFile(tmp_path / "images.zip", "w") as archive:
