@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import struct
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,40 @@ class DataError(ValueError):
 
 
 _NUMBER, _QUOTED = re.compile(r"\d+"), re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+class StoredImage(ABC):
+    """An image kept as bytes until called (an :class:`ImageRef`): a hub data set's, an archive
+    member's. A subclass says how its bytes open (``_open``) and what names it when they do not
+    (``_unreadable``); :meth:`header_size` and :meth:`check` read the header only."""
+
+    def __call__(self) -> Image.Image:
+        with self._opened() as image:
+            try:
+                return image.convert("RGB")
+            except DECODE_ERRORS as err:  # a header that reads, pixels that do not
+                raise self._unreadable(err) from err
+
+    def check(self) -> None:
+        """Raise the DataError of an image whose header does not read (corrupt or missing bytes)."""
+        self.header_size()
+
+    def header_size(self) -> tuple[int, int]:
+        """(width, height), from the header."""
+        with self._opened() as image:
+            return image.size
+
+    def _opened(self) -> Image.Image:
+        try:
+            return self._open()
+        except (OSError, TypeError, KeyError, IndexError) as err:  # no image, or no bytes where they should be
+            raise self._unreadable(err) from err
+
+    @abstractmethod
+    def _open(self) -> Image.Image: ...
+
+    @abstractmethod
+    def _unreadable(self, err: Exception) -> DataError: ...
 
 
 @dataclass

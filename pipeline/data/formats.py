@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from pipeline.data.example import DECODE_ERRORS, DataError, Example, ImageRef
+from pipeline.data.example import DataError, Example, ImageRef, StoredImage
 
 IMAGE_TAG = "<image>"
 JSON_CHUNK = 1 << 22  # characters of a JSON annotation file read at a time
@@ -210,37 +210,20 @@ def split_image_tags(text: str) -> list[dict[str, str]]:
     return content
 
 
-class ArchiveImage:
+class ArchiveImage(StoredImage):
     """An image inside a zip or tar archive, read in place when called (an
     :class:`~pipeline.data.example.ImageRef`): Vision-FLAN, ShareGPT4V and MAmmoTH-VL ship their
     images as archives beside the annotations, and unpacking them would double the disk they take.
-    :meth:`check` reads the header only; the repr names archive and member, for the fingerprint."""
+    The repr names archive and member, for the fingerprint."""
 
     def __init__(self, archive: Path, member: str):
         self.archive, self.member = archive, member
 
-    def __call__(self) -> Image.Image:
-        with self._opened() as image:
-            try:
-                return image.convert("RGB")
-            except DECODE_ERRORS as err:  # a header that reads, pixels that do not
-                raise DataError(str(self.archive), None, f"unreadable image {self.member}: {err}") from err
+    def _open(self) -> Image.Image:
+        return Image.open(io.BytesIO(_archive(self.archive).read(self.member)))
 
-    def check(self) -> None:
-        self.header_size()
-
-    def header_size(self) -> tuple[int, int]:
-        """(width, height), from the header."""
-        with self._opened() as image:
-            return image.size
-
-    def _opened(self) -> Image.Image:
-        try:
-            return Image.open(io.BytesIO(_archive(self.archive).read(self.member)))
-        except (OSError, UnidentifiedImageError, KeyError) as err:
-            raise DataError(
-                str(self.archive), None, f"unreadable image {self.member}: {err}", "unreadable image"
-            ) from err
+    def _unreadable(self, err: Exception) -> DataError:
+        return DataError(str(self.archive), None, f"unreadable image {self.member}: {err}", "unreadable image")
 
     def __repr__(self) -> str:
         return f"{self.archive}!{self.member}"

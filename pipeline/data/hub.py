@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from pipeline.config import ConfigError, SourceSpec
-from pipeline.data.example import DECODE_ERRORS, DataError
+from pipeline.data.example import DataError, StoredImage
 from pipeline.data.formats import RecordParser
 from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache
 
@@ -213,37 +213,21 @@ def check_hub_source(spec: SourceSpec) -> int:
     return len(HubDataset.find(spec).wanted())
 
 
-class HubImage:
+class HubImage(StoredImage):
     """One image of one row, decoded when called (an :class:`~pipeline.data.example.ImageRef`), alone:
     the row's column is read undecoded (its bytes), so a row of three images decodes three, not nine.
-    :meth:`check` reads its header only. Its repr names it, for the example's fingerprint."""
+    Its repr names it, for the example's fingerprint."""
 
     def __init__(self, table: Any, origin: str, row: int, position: int | None):
         self.table, self.origin, self.row, self.position = table, origin, row, position
 
-    def __call__(self) -> Image.Image:
-        with self._opened() as image:
-            try:
-                return image.convert("RGB")
-            except DECODE_ERRORS as err:  # a header that reads, pixels that do not
-                raise DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image") from err
-
-    def check(self) -> None:
-        """Raise the DataError of an image whose header does not read (corrupt or missing bytes)."""
-        self.header_size()
-
-    def header_size(self) -> tuple[int, int]:
-        """(width, height), from the header."""
-        with self._opened() as image:
-            return image.size
-
-    def _opened(self) -> Image.Image:
+    def _open(self) -> Image.Image:
         value = self.table[self.row][self.table.column_names[0]]
-        try:
-            stored = value if self.position is None else value[self.position]
-            return Image.open(io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored["path"])
-        except (OSError, UnidentifiedImageError, TypeError, KeyError, IndexError) as err:
-            raise DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image") from err
+        stored = value if self.position is None else value[self.position]
+        return Image.open(io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored["path"])
+
+    def _unreadable(self, err: Exception) -> DataError:
+        return DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image")
 
     def __repr__(self) -> str:
         return f"{self.origin}#{self.row}" + ("" if self.position is None else f"[{self.position}]")
