@@ -14,4 +14,5 @@ BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module be
     "aggregators": "bytes and seconds of a DiLoCo round's busiest aggregator: R × S",
     "experts": "a mixture-of-experts run: experts each branch trained, their overlap and agreement",
     "sources": "prepare and calibration on a hub mixture of 18 to 176 subsets: time, memory, split",
+    "mixture": "prepare, calibrate and a training rank on mixtures of 10 k to 1 M examples: rate, memory",
 }

@@ -12,11 +12,15 @@ not the quality of a split.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import random
 import shutil
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 from datasets import Dataset, Features, Image, List, Value
 from PIL import Image as PILImage
@@ -56,7 +60,6 @@ def write_dataset_cache(
     some repos' cards do. ``extra``: more files (path in the repo -> bytes), e.g. images or archives.
     """
     repo = Path(hf_home) / "hub" / f"datasets--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / revision(repo_id)
     single = list(configs) == ["default"]
     card = []
     files: dict[str, Path] = {}
@@ -77,22 +80,7 @@ def write_dataset_cache(
         files[rel] = repo / "tmp" / rel
         files[rel].parent.mkdir(parents=True, exist_ok=True)
         files[rel].write_bytes(content)
-    readme = repo / "tmp" / "README.md"
-    readme.write_text(f"---\n{yaml.safe_dump({'configs': card}, sort_keys=False)}---\n\n# {repo_id} (test copy)\n")
-    files["README.md"] = readme
-    # As huggingface_hub stores them: content-addressed blobs, and the snapshot's files link to them.
-    for rel, tmp in files.items():
-        blob = repo / "blobs" / hashlib.sha256(tmp.read_bytes()).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        tmp.replace(blob)
-        link = snapshot / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.unlink(missing_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    shutil.rmtree(repo / "tmp")
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(revision(repo_id))
-    return snapshot
+    return _publish(repo, repo_id, files, card)
 
 
 def _to_parquet(rows: Dataset, path: Path) -> None:
@@ -163,3 +151,88 @@ def _subset(s: int, rows: int, shape: str) -> Dataset:
         "data_source": [f"source {s % 7}"] * rows,
     }
     return Dataset.from_dict(table, features=ONEVISION)
+
+
+# The Cauldron's parquet schema, and the rows per row group ``datasets`` writes for image data.
+CAULDRON_SCHEMA = pa.schema(
+    [
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+        ("texts", pa.list_(pa.struct([("user", pa.string()), ("assistant", pa.string()), ("source", pa.string())]))),
+    ]
+)
+IMAGE_ROW_GROUP = 100
+SIDES = (28, 56, 96, 160, 240, 336, 448)  # image sides drawn from (aspect ratios from 1:2 to 2:1)
+
+
+def write_large_mixture(hf_home: Path, repo_id: str, subsets: int, rows: int, shards: int = 2, seed: int = 0) -> dict:
+    """A Cauldron-shaped mixture of ``subsets`` × ``rows`` examples at the scale of the real ones,
+    written with pyarrow (``datasets``' encoding of every image would take longer than what it
+    measures): 1 to 3 turns a row, one image (two in every tenth row) of a side and aspect ratio
+    drawn from ``SIDES``, ``shards`` parquet files a subset in row groups of ``IMAGE_ROW_GROUP``, and
+    one corrupt image (row 7 of the first subset). The images are drawn once per size and
+    reused (prepare reads every one's header all the same). Returns what was written."""
+    rng = random.Random(seed)
+    pictures = {}
+    for w in SIDES:
+        for h in SIDES:
+            if 0.5 <= w / h <= 2:
+                buffer = io.BytesIO()
+                image(len(pictures)).resize((w, h)).save(buffer, format="PNG")
+                pictures[w, h] = buffer.getvalue()
+    sizes = list(pictures)
+    repo = Path(hf_home) / "hub" / f"datasets--{repo_id.replace('/', '--')}"
+    tmp = repo / "tmp"
+    files, card, names = {}, [], subset_names(subsets, "cauldron")
+    for s, name in enumerate(names):
+        card.append({"config_name": name, "data_files": [{"split": "train", "path": f"{name}/train-*"}]})
+        per_shard = -(-rows // shards)
+        for shard in range(shards):
+            count = min(per_shard, rows - shard * per_shard)
+            images, texts = [], []
+            for i in range(shard * per_shard, shard * per_shard + count):
+                n = 2 if i % 10 == 9 else 1
+                data = [pictures[rng.choice(sizes)] for _ in range(n)]
+                if s == 0 and i == 7:
+                    data[0] = b"\x89PNG\r\n\x1a\n" + b"\x00" * 40  # a corrupt image: its header does not read
+                images.append([{"bytes": b, "path": None} for b in data])
+                turns = rng.randint(1, 3)
+                texts.append(
+                    [
+                        {
+                            "user": f"Task {s}, picture {i}, question {t}: "
+                            + " ".join(rng.choices(WORDS, k=rng.randint(4, 24))),
+                            "assistant": " ".join(rng.choices(WORDS, k=rng.randint(1, 12))),
+                            "source": name,
+                        }
+                        for t in range(turns)
+                    ]
+                )
+            rel = f"{name}/train-{shard:05d}-of-{shards:05d}.parquet"
+            files[rel] = tmp / rel
+            files[rel].parent.mkdir(parents=True, exist_ok=True)
+            table = pa.Table.from_pydict({"images": images, "texts": texts}, schema=CAULDRON_SCHEMA)
+            pq.write_table(table, files[rel], row_group_size=IMAGE_ROW_GROUP)
+    _publish(repo, repo_id, files, card)
+    return {"subsets": subsets, "rows": subsets * rows, "corrupt": f"{names[0]} row 7"}
+
+
+def _publish(repo: Path, repo_id: str, files: dict[str, Path], card: list[dict]) -> Path:
+    """``files`` (path in the repo -> where they are now) and a card listing ``card``'s configs, stored
+    as huggingface_hub stores a download: content-addressed blobs, a snapshot of links to them."""
+    snapshot = repo / "snapshots" / revision(repo_id)
+    readme = repo / "tmp" / "README.md"
+    readme.parent.mkdir(parents=True, exist_ok=True)
+    readme.write_text(f"---\n{yaml.safe_dump({'configs': card}, sort_keys=False)}---\n\n# {repo_id} (test copy)\n")
+    files = {**files, "README.md": readme}
+    for rel, tmp in files.items():
+        blob = repo / "blobs" / hashlib.sha256(tmp.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        tmp.replace(blob)
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    shutil.rmtree(repo / "tmp")
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision(repo_id))
+    return snapshot

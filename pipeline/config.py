@@ -181,6 +181,9 @@ class DataSection(Section):
     max_length: int = Field(1024, ge=16)
     heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     on_bad_record: Literal["error", "skip"] = "error"
+    # processes the prepare stage reads and encodes sources in (a hub mixture's subsets side by side);
+    # default: the CPUs this process may run on
+    prepare_processes: int | None = Field(None, ge=1)
     builtin: BuiltinSection = BuiltinSection()
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from pipeline.checkpoint import CheckpointError, checkpoint_id, is_complete, rea
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.data import Collator, Encoder, active_sources, load_split
 from pipeline.data import read_manifest as read_data_manifest
+from pipeline.data.store import StoredExamples
 from pipeline.fisher import estimate_fisher
 from pipeline.layout import branch_dir, init_path, merged_dir, split_groups
 from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
@@ -116,7 +117,7 @@ def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
         adapted = adapted_parameters(final)
         for name, param in model.named_parameters():
             param.requires_grad_(name in adapted)
-    examples = [ex for exs in load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values() for ex in exs]
+    examples = StoredExamples.joined(list(load_split(cfg, run_dir, "train", read_manifest(final)["sources"]).values()))
     sample = random.Random(f"{cfg.run.seed}/fisher/{k}").sample(examples, min(cfg.merge.fisher_examples, len(examples)))
     encoder, collator = Encoder(processor, cfg.data.max_length), Collator(processor.tokenizer.pad_token_id)
     batches = (collator([encoder(ex)]) for ex in sample)

@@ -64,7 +64,9 @@ def golden(request):
 def small_config(*overrides: str) -> RunConfig:
     # Everything trains, as in configs/demo.yaml: the tiny θ0's vision tower is random.
     everything = ["model.freeze.freeze_vision_tower=false", "model.freeze.freeze_multi_modal_projector=false"]
-    return load_config(None, ["data.builtin.examples_per_source=12", *everything, *overrides])
+    # One prepare process: a test's few sources take less than starting a worker would.
+    serial = ["data.prepare_processes=1"]
+    return load_config(None, ["data.builtin.examples_per_source=12", *everything, *serial, *overrides])
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ def branches(run):
     own = load_split(cfg, run_dir, "train", TRAINED)
     processor = load_processor(init, cfg.model)
     for k, src in enumerate(TRAINED):
-        model = train(cfg, init, heldout + own[src], steps=500, lr=1e-3)
+        model = train(cfg, init, heldout + list(own[src]), steps=500, lr=1e-3)
         save_pretrained_checkpoint(branch_dir(run_dir, k) / "final", model, processor)
     (run_dir / CALIBRATION).mkdir(exist_ok=True)
     (run_dir / CALIBRATION / "split.json").write_text(json.dumps({"groups": [[src] for src in TRAINED]}))

@@ -24,7 +24,7 @@ from calibration.split import plan_split
 from calibration.stage import refuse_small_sources
 from merit.cli import main as merit
 from pipeline.config import ConfigError, DataSection, SourceSpec, load_config
-from pipeline.data import DataError, active_sources, load_sources, prepare_data
+from pipeline.data import DataError, Encoder, Example, active_sources, load_sources, load_split, prepare_data
 from pipeline.data.hub import check_hub_source
 from pipeline.layout import run_config
 from pipeline.preflight import PreflightError, check_run
@@ -222,11 +222,22 @@ def test_a_corrupt_image_in_a_two_shard_multi_turn_subset_is_skipped_by_name_and
         DataError, match=r"someone/corrupt@[0-9a-f]{12}:one/train record 5: unreadable image: cannot identify"
     ):
         load_sources(DataSection(sources=[yaml.safe_load(entry)]), seed=0)
-    manifest = prepare_data(
-        small_config(f"data.sources=[{entry}]", "data.on_bad_record=skip"), tmp_path / "run", processor
-    )
+    cfg = small_config(f"data.sources=[{entry}]", "data.on_bad_record=skip")
+    manifest = prepare_data(cfg, tmp_path / "run", processor)
     source = manifest["sources"]["corrupt/one"]
     assert source["examples"] == 7 and source["skipped"] == 1 and source["skipped_by_reason"] == {"unreadable image": 1}
+    # The prepared store keeps where each image is (the second shard's row 3 for row 7), not its bytes:
+    # read from the parquet file when a batch needs it, it is the row's picture, and its ids are the full path's.
+    splits = [load_split(cfg, tmp_path / "run", split)["corrupt/one"] for split in ("train", "heldout")]
+    stored = {ex.index: ex for split in splits for ex in split}
+    assert sorted(stored) == [0, 1, 2, 3, 4, 6, 7]
+    first = stored[7].images[0]
+    assert (Path(first.path).name, first.row, first.item) == ("train-00001-of-00002.parquet", 3, 0)
+    assert [np.asarray(d).tolist() for d in stored[7].load_images()] == [np.asarray(image(i)).tolist() for i in (7, 8)]
+    encoder = Encoder(processor, cfg.data.max_length)
+    fresh = Example(*(getattr(stored[7], f) for f in ("source", "index", "origin", "messages", "images")))
+    assert torch.equal(encoder(stored[7]).input_ids, encoder(fresh).input_ids)
+    assert torch.equal(encoder(stored[7]).pixel_values, encoder(fresh).pixel_values)
     # Both shards read, each image of a row decoded once when the row is encoded.
     examples = load_sources(DataSection(sources=[yaml.safe_load(entry)], on_bad_record="skip"), seed=0).examples
     (row,) = [ex for ex in examples["corrupt/one"] if ex.index == 7]

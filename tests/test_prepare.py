@@ -62,31 +62,49 @@ def test_prepare_is_idempotent_and_redone_when_the_config_changes(tmp_path, proc
     assert manifest["sources"]["caption"]["truncated"] > 0
 
 
-def test_a_prepare_stopped_halfway_encodes_only_the_sources_it_had_not_finished(tmp_path, processor, monkeypatch):
-    cfg = small_config()
+THREE_ENTRIES = (
+    "data.sources=[{name: a, format: builtin, tasks: [add_digits]}, {name: b, format: builtin, tasks: [caption]}, "
+    "{name: c, format: builtin, tasks: [add_words, reverse_word]}]"
+)
+
+
+def test_a_prepare_stopped_halfway_prepares_only_the_tasks_it_had_not_finished(tmp_path, processor, monkeypatch):
+    cfg = small_config(THREE_ENTRIES)
     whole = prepare_data(cfg, tmp_path / "whole", processor)
-    encode, encoded = prepare_module._encode_source, []
+    prepare, prepared = prepare_module.prepare_task, []
 
-    def stopping(examples, *args):
-        if len(encoded) == 2:
-            raise KeyboardInterrupt  # stopped while the third source encodes
-        encoded.append(examples[0].source)
-        return encode(examples, *args)
+    def stopping(task, *args):
+        if len(prepared) == 2:
+            raise KeyboardInterrupt  # stopped while the third entry is read
+        prepared.append(task.label)
+        return prepare(task, *args)
 
-    monkeypatch.setattr(prepare_module, "_encode_source", stopping)
+    monkeypatch.setattr(prepare_module, "prepare_task", stopping)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(cfg, tmp_path / "run", processor)
-    tokens = sorted((tmp_path / "run" / "data" / "tokens").glob("*.safetensors"))
-    assert len(tokens) == 2 and not (tmp_path / "run" / "data" / "manifest.json").exists()
-    stamps = {t: t.stat().st_mtime_ns for t in tokens}
-
-    def counted(examples, *args):
-        encoded.append(examples[0].source)
-        return encode(examples, *args)
-
-    monkeypatch.setattr(prepare_module, "_encode_source", counted)
+    store = tmp_path / "run" / "data" / "store"
+    assert sorted(p.name for p in store.glob("*") if p.name != "tasks") == ["add_digits", "caption"]
+    assert not (tmp_path / "run" / "data" / "manifest.json").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in store.rglob("*.arrow")}
+    prepared.clear()
+    monkeypatch.setattr(
+        prepare_module, "prepare_task", lambda task, *args: prepared.append(task.label) or prepare(task, *args)
+    )
     assert prepare_data(cfg, tmp_path / "run", processor) == whole  # the same manifest as one whole prepare
-    assert {t: t.stat().st_mtime_ns for t in tokens} == stamps and len(encoded) == len(whole["sources"])
+    assert prepared == ["c"] and {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_prepare_in_processes_writes_what_one_process_writes(tmp_path, processor):
+    """Tasks prepared side by side in spawned processes: the same manifest and the same rows."""
+    serial = prepare_data(small_config(THREE_ENTRIES), tmp_path / "one", processor)
+    parallel = prepare_data(small_config(THREE_ENTRIES, "data.prepare_processes=2"), tmp_path / "two", processor)
+    assert parallel == serial
+    for name in serial["sources"]:
+        one, two = (
+            load_split(small_config(THREE_ENTRIES), tmp_path / run, "train", [name])[name] for run in ("one", "two")
+        )
+        assert [ex.messages for ex in one] == [ex.messages for ex in two]
+        assert all(torch.equal(a.token_ids, b.token_ids) for a, b in zip(one, two, strict=True))
 
 
 def test_heldout_indices_are_seeded_and_bounded():
@@ -97,7 +115,7 @@ def test_heldout_indices_are_seeded_and_bounded():
     assert heldout_indices(100, 0.0, 0, "a") == [] and heldout_indices(1, 0.5, 0, "a") == []
 
 
-def test_stale_token_cache_is_refused(tmp_path, processor):
+def test_rows_of_a_file_changed_since_prepare_are_refused(tmp_path, processor):
     import json
 
     from conftest import llava_record, write_json
@@ -108,7 +126,7 @@ def test_stale_token_cache_is_refused(tmp_path, processor):
     cfg = small_config(f"data.sources={json.dumps([{'name': 'd', 'format': 'llava', 'path': str(path)}])}")
     prepare_data(cfg, tmp_path / "run", processor)
     write_json(path, [llava_record(None, str(i)) for i in (0, 1, 9, 3)])  # record 2 edited in place
-    with pytest.raises(DataError, match=r"d\.json record 2: changed since `merit prepare`"):
+    with pytest.raises(DataError, match=r"d\.json: changed since `merit prepare` \(source 'd'\)"):
         load_split(cfg, tmp_path / "run", "train")
 
 
@@ -161,7 +179,7 @@ def test_manifest_roles_and_eval_sources_held_out_whole(roles_run):
     assert list(load_split(cfg, run_dir, "train")) == FINETUNE  # by default, the fine-tuning sources
     named = ["unseen_read_sentence", "skill_add"]
     assert [len(v) for v in load_split(cfg, run_dir, "heldout", named).values()] == [12, 1]
-    assert load_split(cfg, run_dir, "train", ["unseen_read_sentence"]) == {"unseen_read_sentence": []}
+    assert [len(v) for v in load_split(cfg, run_dir, "train", ["unseen_read_sentence"]).values()] == [0]
 
 
 def test_only_the_fine_tuning_sources_reach_calibration_branches_and_shards(roles_run, processor):

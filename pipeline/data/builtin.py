@@ -39,6 +39,7 @@ and writes its words on signs (:class:`Sign`), so that none of its images is a s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -183,6 +184,22 @@ class Sign:
             draw.rounded_rectangle((left - pad, top - pad, right + pad, bottom + pad), radius=pad, fill=pale)
         draw.text(centre, self.word, fill="black", font=font, anchor="mm")
         return img
+
+
+DRAWINGS = (Scene, Sign)  # OutlinedScene is a Scene
+
+
+def drawing_reference(drawing: Scene | Sign) -> dict[str, Any]:
+    """A drawing as JSON (the prepared store keeps it so and draws it again when it is read)."""
+    return {"kind": type(drawing).__name__, **dataclasses.asdict(drawing)}
+
+
+def drawing_from_reference(ref: dict[str, Any]) -> Scene | Sign:
+    fields = {k: v for k, v in ref.items() if k != "kind"}
+    if ref["kind"] == "Sign":
+        return Sign(**fields)
+    shapes = tuple(Shape(**shape) for shape in fields.pop("shapes"))
+    return {"Scene": Scene, "OutlinedScene": OutlinedScene}[ref["kind"]](shapes=shapes, **fields)
 
 
 @cache

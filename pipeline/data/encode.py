@@ -127,10 +127,9 @@ class Encoder:
         resize first, for a Qwen family), spelled out by the processor's own
         ``replace_image_token``: no image is decoded, resized or cut into patches. What ``prepare``
         runs: it keeps only the ids."""
-        texts = [
-            self.processor.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=False)
-            for ex in examples
-        ]
+        texts = self.processor.apply_chat_template(
+            [ex.messages for ex in examples], tokenize=False, add_generation_prompt=False
+        )
         sizes = [self._as_resized(ex, *size) for ex in examples for size in ex.image_sizes()]
         if sizes:
             counted = self.processor._get_num_multimodal_tokens(image_sizes=sizes)

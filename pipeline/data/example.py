@@ -35,6 +35,9 @@ class DataError(ValueError):
         where = f"{origin} record {index}" if index is not None else origin
         super().__init__(f"{where}: {problem}")
 
+    def __reduce__(self) -> tuple:  # raised in a prepare worker, re-raised whole in the stage
+        return type(self), (self.origin, self.index, self.problem, self.reason)
+
 
 _NUMBER, _QUOTED = re.compile(r"\d+"), re.compile(r"'[^']*'|\"[^\"]*\"")
 
@@ -56,9 +59,11 @@ class StoredImage(ABC):
         self.header_size()
 
     def header_size(self) -> tuple[int, int]:
-        """(width, height), from the header."""
-        with self._opened() as image:
-            return image.size
+        """(width, height), from the header (read once: prepare checks it, then counts its tokens)."""
+        if getattr(self, "_size", None) is None:
+            with self._opened() as image:
+                self._size = image.size
+        return self._size
 
     def _opened(self) -> Image.Image:
         try:

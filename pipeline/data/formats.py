@@ -14,7 +14,7 @@ import json
 import os
 import tarfile
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,21 +75,22 @@ def _skip(text: str, position: int, characters: str) -> int:
 
 
 def read_jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line index, record)``; a line that is not JSON yields a DataError in its place."""
+    """``(line index, record)``, a line at a time; a line that is not JSON yields a DataError in its place."""
     try:
-        lines = Path(path).read_text().splitlines()
+        with open(path, encoding="utf-8") as file:
+            for index, line in enumerate(file):
+                if not line.strip():
+                    continue
+                try:
+                    yield index, json.loads(line)
+                except json.JSONDecodeError as err:
+                    yield index, DataError(str(path), index, f"invalid JSON line: {err}")
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(str(path), None, f"cannot read JSONL: {err}") from err
-    for index, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            yield index, json.loads(line)
-        except json.JSONDecodeError as err:
-            yield index, DataError(str(path), index, f"invalid JSON line: {err}")
 
 
-def read_hf_disk_records(path: Path) -> Iterable[Any]:
+def hf_disk_files(path: Path) -> list[Path]:
+    """The Arrow files of a folder written by ``datasets``' ``save_to_disk`` (one split), read in place."""
     import datasets  # heavy import, only for this format
 
     try:
@@ -100,7 +101,7 @@ def read_hf_disk_records(path: Path) -> Iterable[Any]:
         raise DataError(
             str(path), None, f"a DatasetDict with splits {sorted(dataset)}: point path at one split's folder"
         )
-    return dataset
+    return [Path(f["filename"]) for f in dataset.cache_files]
 
 
 class RecordParser:
@@ -167,13 +168,8 @@ class RecordParser:
         return {"role": ROLE_ALIASES[role], "content": split_image_tags(text)}
 
     def _image(self, index: int, ref: Any) -> ImageRef:
-        if isinstance(ref, Image.Image) or callable(ref):  # decoded, or decoded when encoded (a hub image)
+        if isinstance(ref, Image.Image) or callable(ref):  # decoded, or decoded when encoded (a table's image)
             return ref
-        if isinstance(ref, dict) and ref.get("bytes"):  # datasets Image feature, not decoded
-            try:
-                return Image.open(io.BytesIO(ref["bytes"]))
-            except (OSError, UnidentifiedImageError) as err:
-                raise DataError(self.origin, index, f"unreadable image bytes: {err}", "unreadable image") from err
         if isinstance(ref, dict) and ref.get("path"):
             ref = ref["path"]
         if not isinstance(ref, str) or not ref:

@@ -5,12 +5,13 @@ HuggingFaceM4/the_cauldron (50 configs), lmms-lab/LLaVA-OneVision-Data (90+). ``
 --repo-type dataset`` leaves a snapshot in the hub cache: a README whose front matter lists the
 configs and their data files, and those files (parquet). Offline, ``datasets.load_dataset(ID, ...)``
 does not look there (it only finds what it built in its own cache), so the snapshot is found with
-``huggingface_hub`` (``local_files_only``) and its folder is what ``datasets`` loads, one config at
-a time: the parquet files become memory-mapped Arrow tables in the datasets cache, built once.
+``huggingface_hub`` (``local_files_only``) and its card is read once for every subset's files.
 
-Each subset's records are read column by column: the text column as Python objects, the image
-column only as counts (Arrow list lengths), so an image is decoded when an example is encoded
-(:class:`HubImage`), never held. Known shapes, detected from the columns (a ``columns`` mapping
+A subset's parquet files are read in place, a batch of rows at a time (:class:`SubsetTable`): never
+copied into the ``datasets`` cache (FineVision's 5 TB would take 5 TB more), never whole in memory.
+Each image becomes a :class:`~pipeline.data.tables.TableImage` (its file, row and column), whose
+header prepare reads from the bytes at hand and which the loader's workers decode when a batch
+needs it. Known shapes, detected from the columns (a ``columns`` mapping
 renames a data set's own): the Cauldron's ``images`` + ``texts`` (a list of {user, assistant}
 turns, the images before the first question), LLaVA's ``conversations`` + ``image``, ShareGPT's
 ``messages`` + ``images``.
@@ -22,7 +23,6 @@ Sources are named ``<entry name>/<subset>``; with ``source_column``, one per val
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import re
 import shlex
@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+import pyarrow as pa
 
 from pipeline.config import ConfigError, SourceSpec
-from pipeline.data.example import DataError, StoredImage
+from pipeline.data.example import DataError
 from pipeline.data.formats import RecordParser
+from pipeline.data.tables import TableImage, batches, is_table, num_rows, schema
 from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache
 
 SHAPES = {  # text column -> the image columns that shape may have
@@ -44,7 +45,7 @@ SHAPES = {  # text column -> the image columns that shape may have
     "conversations": ("image", "images"),  # LLaVA, LLaVA-OneVision
     "messages": ("images", "image"),  # ShareGPT
 }
-READ_BATCH = 512  # rows of text read at a time
+READ_BATCH = 64  # rows read at a time (their image bytes with them)
 VIDEO_COLUMNS = ("video", "videos")
 # The data files a subset is read from: the tables datasets reads (never an archive of images beside them).
 TABLES = [".parquet", ".arrow", ".jsonl", ".json", ".csv", ".tsv"]
@@ -82,10 +83,14 @@ class HubDataset:
         """What names the subset's records in errors and the manifest: ``ORG/NAME@<commit>:<subset>/<split>``."""
         return f"{self.label}:{subset}/{self.spec.split}"
 
+    @property
+    def named(self) -> list[str]:
+        """The subsets the entry names (``all``: every one the card declares)."""
+        return sorted(self.subsets) if self.spec.subsets == "all" else self.spec.subsets
+
     def wanted(self) -> list[str]:
         """The subsets the entry names, each declared by the card and with its split's files here."""
-        spec = self.spec
-        names = sorted(self.subsets) if spec.subsets == "all" else spec.subsets
+        spec, names = self.spec, self.named
         unknown = [s for s in names if s not in self.subsets]
         if unknown:
             raise ConfigError(
@@ -118,13 +123,13 @@ class HubDataset:
     def _absent_patterns(self, subset: str) -> list[str]:
         return [p for p in self.subsets[subset][self.spec.split] if not any(self.folder.glob(p))]
 
+    def data_files(self, subset: str) -> list[Path]:
+        """The files of the subset's split that are here."""
+        return sorted({f for p in self.subsets[subset][self.spec.split] for f in self.folder.glob(p)})
+
     def _absent_shards(self, subset: str) -> list[str]:
         """Shards of a ``<name>-00000-of-00004.<ext>`` series (the hub's naming) that are not here."""
-        present = {
-            f.relative_to(self.folder).as_posix()
-            for p in self.subsets[subset][self.spec.split]
-            for f in self.folder.glob(p)
-        }
+        present = {f.relative_to(self.folder).as_posix() for f in self.data_files(subset)}
         absent = set()
         for name in present:
             if series := SHARD.fullmatch(name):
@@ -132,11 +137,12 @@ class HubDataset:
                 absent |= {f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(count)} - present
         return sorted(absent)
 
-    def load(self, subset: str) -> Any:
-        """The subset's split as a ``datasets.Dataset`` (memory-mapped; built once in the datasets cache).
-        Its files are resolved from the card read once here and loaded by ``datasets``' packaged
-        builder for their format: loading the snapshot folder by subset name would parse the whole
-        card again for every subset (0.45 s each at 176 subsets: quadratic in the subsets)."""
+    def files(self, subset: str) -> list[Path]:
+        """The subset's split's table files, read in place: its parquet (or Arrow) files where the
+        snapshot holds them. A subset of JSON or CSV files (text, and images as paths) is converted
+        once by ``datasets``' packaged builder for its format, and its cache's Arrow files are read.
+        The files are resolved from the card read once here: loading the snapshot folder by subset
+        name would parse the whole card again for every subset (0.45 s each at 176 subsets)."""
         import datasets
         from datasets.data_files import DataFilesDict
         from datasets.load import infer_module_for_data_files
@@ -144,10 +150,15 @@ class HubDataset:
         patterns = {self.spec.split: self.subsets[subset][self.spec.split]}
         try:
             files = DataFilesDict.from_patterns(patterns, base_path=str(self.folder), allowed_extensions=TABLES)
+            paths = [Path(f) for f in files[self.spec.split]]
+            if all(is_table(p) for p in paths):
+                return paths
             builder, kwargs = infer_module_for_data_files(files)
-            return datasets.load_dataset(
-                builder, data_files=dict(files), split=self.spec.split, cache_dir=str(datasets_cache()), **kwargs
-            )
+            with local_datasets():
+                dataset = datasets.load_dataset(
+                    builder, data_files=dict(files), split=self.spec.split, cache_dir=str(datasets_cache()), **kwargs
+                )
+            return [Path(f["filename"]) for f in dataset.cache_files]
         except (ValueError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as err:
             raise DataError(self.origin(subset), None, f"cannot load it: {err}") from err
 
@@ -213,58 +224,104 @@ def check_hub_source(spec: SourceSpec) -> int:
     return len(HubDataset.find(spec).wanted())
 
 
-class HubImage(StoredImage):
-    """One image of one row, decoded when called (an :class:`~pipeline.data.example.ImageRef`), alone:
-    the row's column is read undecoded (its bytes), so a row of three images decodes three, not nine.
-    Its repr names it, for the example's fingerprint."""
-
-    def __init__(self, table: Any, origin: str, row: int, position: int | None):
-        self.table, self.origin, self.row, self.position = table, origin, row, position
-
-    def _open(self) -> Image.Image:
-        value = self.table[self.row][self.table.column_names[0]]
-        stored = value if self.position is None else value[self.position]
-        return Image.open(io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored["path"])
-
-    def _unreadable(self, err: Exception) -> DataError:
-        return DataError(self.origin, self.row, f"unreadable image: {err}", "unreadable image")
-
-    def __repr__(self) -> str:
-        return f"{self.origin}#{self.row}" + ("" if self.position is None else f"[{self.position}]")
-
-
 def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]], int]]:
-    """``(source name, parser, records, their number)`` per source of a hub entry: records as the
-    LLaVA and ShareGPT readers give them, ``(row, record)``, images as :class:`HubImage` (or paths in
-    the snapshot)."""
+    """:func:`subset_records` of every subset the entry reads."""
     data = HubDataset.find(spec)
-    subsets = data.wanted()
-    for subset in subsets:
-        table, origin = data.load(subset), data.origin(subset)
-        if spec.columns:
-            table = _renamed(table, spec.columns, origin)
-        text, image = _shape(table.column_names, origin, spec.name)
-        images = _Images(table, image, origin)
-        rows = _rows(table, text, spec.source_column, origin)
-        if spec.source_column is None:
-            name = f"{spec.name}/{subset}"
-            yield name, RecordParser(name, origin, data.folder, data.links), _records(rows, text, images), len(table)
-            continue
-        by_value: dict[str, list[tuple[int, Any]]] = defaultdict(list)
-        for row, value, turns, video in rows:
-            by_value[str(value)].append((row, value, turns, video))
-        prefix = spec.name if len(subsets) == 1 else f"{spec.name}/{subset}"
-        for value, grouped in sorted(by_value.items()):
-            name = f"{prefix}/{value}"
-            parser = RecordParser(name, origin, data.folder, data.links)
-            yield name, parser, _records(iter(grouped), text, images), len(grouped)
+    for subset in data.wanted():
+        yield from subset_records(data, subset)
 
 
-def _renamed(table: Any, columns: dict[str, str], where: str) -> Any:
-    absent = sorted(col for col in columns.values() if col not in table.column_names)
-    if absent:
-        raise DataError(where, None, f"columns {absent} of the `columns` mapping are not in {table.column_names}")
-    return table.rename_columns({theirs: ours for ours, theirs in columns.items()})
+def subset_records(data: HubDataset, subset: str) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]], int]]:
+    """``(source name, parser, records, their number)`` per source of one subset: records as the
+    LLaVA and ShareGPT readers give them, ``(row, record)``, images as
+    :class:`~pipeline.data.tables.TableImage` (or paths in the snapshot), streamed from the files."""
+    spec, origin = data.spec, data.origin(subset)
+    table = SubsetTable(data.files(subset), spec.columns, origin, spec.name)
+    if spec.source_column is None:
+        name = f"{spec.name}/{subset}"
+        records = ((row, record) for row, _, record in table.records(None, keep_bytes=True))
+        yield name, RecordParser(name, origin, data.folder, data.links), records, table.rows
+        return
+    # Grouped by value: the subset's text is held (its images are read again by cell, not kept).
+    by_value: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+    for row, value, record in table.records(spec.source_column, keep_bytes=False):
+        by_value[str(value)].append((row, record))
+    prefix = spec.name if len(data.named) == 1 else f"{spec.name}/{subset}"
+    for value, grouped in sorted(by_value.items()):
+        name = f"{prefix}/{value}"
+        yield name, RecordParser(name, origin, data.folder, data.links), iter(grouped), len(grouped)
+
+
+class SubsetTable:
+    """A subset's table files read as records, ``READ_BATCH`` rows at a time: the text columns as
+    Python objects, each image as a :class:`~pipeline.data.tables.TableImage` naming its file and row
+    (with the bytes just read, for its header), or as the path a column of strings holds. Columns
+    are the data set's own, or renamed by a ``columns`` mapping (ours -> theirs)."""
+
+    def __init__(self, files: list[Path], columns: dict[str, str] | None, origin: str, entry: str):
+        if not files:
+            raise DataError(origin, None, "no data files")
+        self.files, self.origin, self.theirs = files, origin, dict(columns or {})
+        names = schema(files[0]).names
+        absent = sorted(col for col in self.theirs.values() if col not in names)
+        if absent:
+            raise DataError(origin, None, f"columns {absent} of the `columns` mapping are not in {names}")
+        ours = {theirs: mine for mine, theirs in self.theirs.items()}
+        self.columns = [ours.get(n, n) for n in names]
+        self.text, self.image = _shape(self.columns, origin, entry)
+        self.video = next((c for c in VIDEO_COLUMNS if c in self.columns), None)
+        self.single, self.paths = False, False
+        if self.image is not None:
+            kind = schema(files[0]).field(self._theirs(self.image)).type
+            self.single = not (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+            item = kind if self.single else kind.value_type
+            self.paths = pa.types.is_string(item) or pa.types.is_large_string(item)
+        self.rows = sum(num_rows(f) for f in files)
+
+    def _theirs(self, column: str) -> str:
+        return self.theirs.get(column, column)
+
+    def records(self, source_column: str | None, keep_bytes: bool) -> Iterator[tuple[int, Any, Any]]:
+        """``(row, source column value, record)``; a video column's entry goes in the record (the
+        parser refuses it until videos are supported)."""
+        if source_column is not None and source_column not in self.columns:
+            raise DataError(self.origin, None, f"source_column '{source_column}' is not a column ({self.columns})")
+        wanted = [c for c in (self.text, self.image, source_column, self.video) if c is not None]
+        row = 0
+        for path in self.files:
+            in_file = 0
+            for batch in batches(path, [self._theirs(c) for c in wanted], READ_BATCH):
+                values = dict(zip(wanted, (column.to_pylist() for column in batch.columns), strict=True))
+                for j in range(batch.num_rows):
+                    refs = self._images(path, in_file + j, row + j, values, j, keep_bytes)
+                    turns = values[self.text][j]
+                    record = (
+                        _cauldron_record(turns, refs) if self.text == "texts" else {self.text: turns, "images": refs}
+                    )
+                    if self.video and values[self.video][j]:
+                        record["video"] = values[self.video][j]
+                    yield row + j, values[source_column][j] if source_column else None, record
+                row, in_file = row + batch.num_rows, in_file + batch.num_rows
+
+    def _images(
+        self, path: Path, in_file: int, row: int, values: dict[str, list], j: int, keep_bytes: bool
+    ) -> list[TableImage | str]:
+        if self.image is None:
+            return []
+        items = [values[self.image][j]] if self.single else values[self.image][j] or []
+        if self.paths:
+            return [p for p in items if p is not None]
+        refs: list[TableImage | str] = []
+        for i, stored in enumerate(items):
+            if self.single and stored is None:  # LLaVA's ``image``: one or none
+                continue
+            if isinstance(stored, dict) and not stored.get("bytes") and stored.get("path"):
+                refs.append(stored["path"])  # a file beside the table, resolved by the parser
+                continue
+            data = stored.get("bytes") if keep_bytes and isinstance(stored, dict) else None
+            item = None if self.single else i
+            refs.append(TableImage(str(path), in_file, self._theirs(self.image), item, self.origin, row, data))
+        return refs
 
 
 def _shape(columns: list[str], origin: str, name: str) -> tuple[str, str | None]:
@@ -280,63 +337,7 @@ def _shape(columns: list[str], origin: str, name: str) -> tuple[str, str | None]
     )
 
 
-class _Images:
-    """A subset's image column: images per row, from the Arrow column's list lengths (or validity:
-    LLaVA's ``image`` holds one or none), so that no image bytes are read, and each as a HubImage,
-    or, for a column of path strings, as the paths (relative to the snapshot, where the parser
-    resolves them)."""
-
-    def __init__(self, table: Any, column: str | None, origin: str):
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        from datasets import Image as ImageFeature
-        from datasets import List
-
-        self.origin, self.counts, self.table, self.single, self.paths = origin, None, None, False, None
-        if column is None:
-            return
-        values = table.data.table.column(column)
-        self.single = not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type))
-        lengths = pc.cast(values.is_valid(), pa.int64()) if self.single else pc.list_value_length(values)
-        self.counts = pc.fill_null(lengths, 0).to_pylist()
-        item = values.type if self.single else values.type.value_type
-        if pa.types.is_string(item) or pa.types.is_large_string(item):  # paths in the snapshot
-            self.paths = values.to_pylist()
-            return
-        undecoded = ImageFeature(decode=False)
-        self.table = table.select_columns([column]).cast_column(column, undecoded if self.single else List(undecoded))
-
-    def of(self, row: int) -> list[HubImage | str]:
-        n = self.counts[row] if self.counts else 0
-        if self.paths is not None:
-            return [p for p in ([self.paths[row]] if self.single else self.paths[row] or []) if p is not None]
-        return [HubImage(self.table, self.origin, row, None if self.single else i) for i in range(n)]
-
-
-def _rows(table: Any, text: str, source_column: str | None, origin: str) -> Iterator[tuple[int, Any, Any, Any]]:
-    """``(row, source column value, text, video)``, read a batch of columns at a time (a video
-    column's entry, which the parser refuses until videos are supported)."""
-    if source_column is not None and source_column not in table.column_names:
-        raise DataError(origin, None, f"source_column '{source_column}' is not a column ({table.column_names})")
-    video = next((c for c in VIDEO_COLUMNS if c in table.column_names), None)
-    columns = [text] + ([source_column] if source_column else []) + ([video] if video else [])
-    row = 0
-    for batch in table.select_columns(columns).iter(batch_size=READ_BATCH):
-        absent = [None] * len(batch[text])
-        values, videos = batch[source_column] if source_column else absent, batch[video] if video else absent
-        for value, turns, clip in zip(values, batch[text], videos, strict=True):
-            yield row, value, turns, clip
-            row += 1
-
-
-def _records(rows: Iterator[tuple[int, Any, Any, Any]], text: str, images: _Images) -> Iterator[tuple[int, Any]]:
-    for row, _, turns, video in rows:
-        refs = images.of(row)
-        record = _cauldron_record(turns, refs) if text == "texts" else {text: turns, "images": refs}
-        yield row, record | ({"video": video} if video else {})
-
-
-def _cauldron_record(turns: Any, images: list[HubImage]) -> Any:
+def _cauldron_record(turns: Any, images: list[TableImage | str]) -> Any:
     """The Cauldron's [{user, assistant}] turns as a ShareGPT record, its images before the first question."""
     if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
         return {"messages": turns, "images": images}  # the parser names what is wrong

@@ -1,6 +1,6 @@
 """The prepared data's manifest (``data/manifest.json``): what the prepare stage wrote, read by
 every later stage and the report without importing the encoders; and the examples' token counts
-from the token cache beside it."""
+from the prepared store beside it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
 MANIFEST_PATH = Path("data") / "manifest.json"
 
@@ -32,12 +31,13 @@ def active_sources(manifest: dict[str, Any], role: str | None = "finetune") -> d
 
 
 def train_lengths(run_dir: str | Path, sources: list[str]) -> dict[str, np.ndarray]:
-    """Each source's training examples' token counts, in order, from the prepared token cache
-    (its offsets alone: no example is loaded)."""
+    """Each source's training examples' token counts, in order, from the prepared store (its token
+    lists' offsets alone: no example is read)."""
+    from pipeline.data.store import SourceStore  # the store's readers, only where lengths are asked for
+
     known = active_sources(read_manifest(run_dir), role=None)
     lengths = {}
     for name in sources:
-        with safe_open(str(Path(run_dir) / known[name]["tokens_file"]), "np") as cache:
-            counts = np.diff(cache.get_tensor("offsets"))
+        counts = SourceStore(Path(run_dir) / known[name]["store"], name, known[name]["origin"]).lengths()
         lengths[name] = np.delete(counts, known[name]["heldout_indices"])
     return lengths

@@ -1,27 +1,35 @@
-"""The ``prepare`` stage: load every source, hold out a seeded split, encode everything once to
-count tokens (and surface every bad record before any training starts), write the manifest.
+"""The ``prepare`` stage: read every source once, write its examples to the prepared store
+(:mod:`pipeline.data.store`: messages, image references, token ids; never the images), hold out a
+seeded split, surface every bad record before any training starts, write the manifest.
 
 ``data/manifest.json`` per source: role (``finetune``, ``warmup``, ``unseen`` or ``retention``,
-see :mod:`pipeline.data.sources`), format, examples, held-out indices, train/held-out tokens,
-supervised tokens, the cap its entry set (``max_examples``), truncated and skipped counts.
+see :mod:`pipeline.data.sources`), format, store folder, examples, held-out indices, train/held-out
+tokens, supervised tokens, the cap its entry set (``max_examples``), truncated and skipped counts,
+and the files it was read from (sizes and times: a later stage refuses rows whose files changed).
 Eval-only sources (unseen, retention) are held out whole: they never train. Train tokens are the
-token-weighted merge's weights and the split planner's balance. The token ids themselves are kept
-in ``data/tokens/<n>.safetensors`` (concatenated ids + offsets) so that later stages encode only
-images; :func:`load_split` attaches them to the examples it returns. Each source's counts are
-written beside its ids (``<n>.json``) as soon as it is encoded: a prepare stopped halfway (a kill,
-a bad record) encodes again only the sources it had not finished.
+token-weighted merge's weights and the split planner's balance.
+
+The work is split in tasks (:class:`~pipeline.data.sources.Task`: an entry, or one subset of a hub
+mixture), run side by side in ``data.prepare_processes`` processes. A task streams its records,
+counts each example's tokens from its images' sizes (:meth:`Encoder.encode_counted`: no image
+decoded), and writes ``data/store/tasks/<task>.json`` when its sources are whole: a prepare stopped
+halfway (a kill, a bad record) prepares again only the tasks it had not finished.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
 import random
+import shutil
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-import torch
-from safetensors.torch import load_file, save_file
+import numpy as np
 from tqdm.auto import tqdm
 
 from pipeline.checkpoint import write_json_atomic
@@ -29,12 +37,15 @@ from pipeline.config import RunConfig
 from pipeline.data.benchmark import write_tasks
 from pipeline.data.encode import Encoder
 from pipeline.data.example import DataError, Example
+from pipeline.data.hub import local_datasets
 from pipeline.data.manifest import MANIFEST_PATH, active_sources, read_manifest
-from pipeline.data.sources import EVAL_ROLES, LoadedSources, load_sources
+from pipeline.data.sources import EVAL_ROLES, Policy, Task, no_examples, no_source, source_tasks
+from pipeline.data.store import STORE_DIR, SourceStore, StoredExamples, StoreWriter, store_folder
 
-TOKENS_DIR = Path("data") / "tokens"
+TASKS_DIR = STORE_DIR / "tasks"
 ENCODE_BATCH = 32
 SKIPPED_SHOWN = 5  # reasons kept per source in the manifest; the count is always exact
+LISTS = ("data.sources", "warmup.sources", "eval.sources")
 
 
 def heldout_indices(n: int, fraction: float, seed: int, source: str) -> list[int]:
@@ -48,168 +59,224 @@ def heldout_indices(n: int, fraction: float, seed: int, source: str) -> list[int
 
 def data_digest(cfg: RunConfig) -> str:
     """What the prepared data depends on: the seed (it draws the built-in corpus and the split),
-    the data and model (the processor) sections, and the warm-up and eval sources."""
+    the data and model (the processor) sections, and the warm-up and eval sources; not how many
+    processes prepare it."""
     lists = [[spec.model_dump(mode="json") for spec in specs] for specs in (cfg.warmup.sources or [], cfg.eval.sources)]
-    return hashlib.sha256(json.dumps([cfg.digest("run", "data", "model"), lists]).encode()).hexdigest()[:16]
-
-
-def _load(cfg: RunConfig) -> LoadedSources:
-    return load_sources(cfg.data, cfg.run.seed, cfg.warmup.sources, cfg.eval.sources)
+    data = cfg.data.model_copy(update={"prepare_processes": None})
+    same = cfg.model_copy(update={"data": data})
+    return hashlib.sha256(json.dumps([same.digest("run", "data", "model"), lists]).encode()).hexdigest()[:16]
 
 
 def prepare_data(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool = False) -> dict[str, Any]:
     """Write ``run_dir/data/manifest.json`` and the toy benchmark tasks ``eval.benchmarks`` names;
     reuse what is up to date."""
     write_tasks(cfg, run_dir)
-    return _prepare_sources(cfg, run_dir, processor, force)
+    return _prepare_sources(cfg, Path(run_dir), processor, force)
 
 
-def _prepare_sources(cfg: RunConfig, run_dir: str | Path, processor: Any, force: bool) -> dict[str, Any]:
-    path = Path(run_dir) / MANIFEST_PATH
+def _prepare_sources(cfg: RunConfig, run_dir: Path, processor: Any, force: bool) -> dict[str, Any]:
+    path = run_dir / MANIFEST_PATH
     digest = data_digest(cfg)
     if path.is_file() and not force:
         manifest = json.loads(path.read_text())
         if manifest.get("config_digest") == digest:
             return manifest
-    loaded = _load(cfg)
-    encoder = Encoder(processor, cfg.data.max_length)
+    tasks = source_tasks(cfg.data, cfg.warmup.sources, cfg.eval.sources)
+    results = _run_tasks(tasks, cfg, run_dir, Encoder(processor, cfg.data.max_length), digest, force)
     budget = cfg.train.max_tokens if cfg.train.packing else None  # a packed micro batch's tokens
-    total = sum(len(v) for v in loaded.examples.values())
-    sources = {}
-    with tqdm(total=total, desc="prepare: encoding", unit="ex", leave=False) as bar:
-        for number, (name, examples) in enumerate(loaded.examples.items()):
-            heldout = _heldout(cfg, loaded, name)
-            tokens_file = TOKENS_DIR / f"{number:04d}.safetensors"
-            tokens_path, record = Path(run_dir) / tokens_file, Path(run_dir) / tokens_file.with_suffix(".json")
-            counts = None if force else _encoded_before(record, tokens_path, digest, name, examples)
-            if counts is None:
-                counts = _encode_source(examples, set(heldout), encoder, bar, tokens_path, budget)
-                write_json_atomic(record, {"config_digest": digest, "source": name, "counts": counts})
-            else:
-                bar.update(len(examples))
-            sources[name] = (
-                counts
-                | {
-                    "role": loaded.roles[name],
-                    "tokens_file": str(tokens_file),
-                    "format": loaded.formats[name],
-                    "origin": examples[0].origin,
-                    "heldout_indices": heldout,
-                    "max_examples": loaded.entries[name].max_examples,  # the cap its entry sets (None: none)
-                    "skipped": len(loaded.skipped.get(name, [])),
-                    "skipped_by_reason": dict(loaded.skipped_by_reason.get(name, {})),
-                    "skipped_reasons": loaded.skipped.get(name, [])[:SKIPPED_SHOWN],
-                    "image_tags_inserted": sum(ex.tags_inserted > 0 for ex in examples),
-                }
-            )
-    for name, reasons in loaded.skipped.items():  # sources dropped whole (empty after skipping)
-        if name not in sources:
-            sources[name] = {
-                "role": loaded.roles[name],
-                "dropped": True,
-                "skipped": len(reasons),
-                "skipped_by_reason": dict(loaded.skipped_by_reason.get(name, {})),
-                "skipped_reasons": reasons[:SKIPPED_SHOWN],
-            }
+    sources: dict[str, Any] = {}
+    for listed in LISTS:
+        mine = [(task, result) for task, result in zip(tasks, results, strict=True) if task.listed == listed]
+        before = sum(not info.get("dropped") for info in sources.values())
+        for task, result in mine:
+            for name, skipped in result["skipped"].items():
+                if name not in result["sources"]:  # a source dropped whole, or the entry's own skips
+                    sources[name] = {"role": task.role, "dropped": True, **skipped}
+            for name, prepared in result["sources"].items():
+                if name in sources and not sources[name].get("dropped"):
+                    raise ValueError(f"two config entries produce a source named '{name}'")
+                skipped = result["skipped"].get(name, {"skipped": 0, "skipped_by_reason": {}, "skipped_reasons": []})
+                sources[name] = _source_entry(cfg, run_dir, task, name, prepared, budget) | skipped
+        if (mine or listed == "data.sources") and sum(not i.get("dropped") for i in sources.values()) == before:
+            raise no_source(listed)
     manifest = {"config_digest": digest, "max_length": cfg.data.max_length, "sources": sources}
     write_json_atomic(path, manifest)
     return manifest
 
 
-def _encoded_before(
-    record: Path, tokens: Path, digest: str, name: str, examples: list[Example]
-) -> dict[str, int] | None:
-    """A source's counts from a prepare that encoded it before being stopped (its record beside its
-    token ids, under the same config, for the same examples: their fingerprints), so that a
-    killed prepare encodes only the sources it had not finished; None otherwise."""
-    done = json.loads(record.read_text()) if record.is_file() and tokens.is_file() else None
-    if not done or done["config_digest"] != digest or done["source"] != name:
-        return None
-    cached = load_file(str(tokens))["fingerprints"].tolist()
-    return done["counts"] if cached == [ex.fingerprint() for ex in examples] else None
+def _source_entry(
+    cfg: RunConfig, run_dir: Path, task: Task, name: str, prepared: dict[str, Any], budget: int | None
+) -> dict[str, Any]:
+    """A source's manifest entry: its split and counts, from its prepared rows' columns. A training
+    example longer than a packed micro batch (``budget``) is refused, named, before anything trains."""
+    store = SourceStore(run_dir / prepared["store"], name, prepared["origin"])
+    lengths = store.lengths()
+    heldout = _heldout(cfg, task, name, len(lengths))
+    train = np.ones(len(lengths), dtype=bool)
+    train[heldout] = False
+    if budget is not None and (too_long := np.flatnonzero(train & (lengths > budget))).size:
+        raise store.example(int(too_long[0])).error(
+            f"{lengths[too_long[0]]} tokens do not fit a packed micro batch of train.max_tokens = {budget}: "
+            f"raise train.max_tokens, or set data.max_length to at most {budget} to truncate such examples"
+        )
+    supervised = store.column_array("supervised")
+    return {
+        "role": task.role,
+        "store": prepared["store"],
+        "format": task.spec.format,
+        "origin": prepared["origin"],
+        "inputs": prepared["inputs"],
+        "examples": len(lengths),
+        "train_examples": int(train.sum()),
+        "train_tokens": int(lengths[train].sum()),
+        "heldout_tokens": int(lengths[~train].sum()),
+        "supervised_tokens": int(supervised[train].sum()),
+        "truncated": int(store.column_array("truncated").sum()),
+        "heldout_indices": heldout,
+        "max_examples": task.spec.max_examples,  # the cap its entry sets (None: none)
+        "image_tags_inserted": prepared["image_tags_inserted"],
+    }
 
 
-def _heldout(cfg: RunConfig, loaded: LoadedSources, name: str) -> list[int]:
+def _heldout(cfg: RunConfig, task: Task, name: str, n: int) -> list[int]:
     """A source's held-out positions: all of an eval-only source's, else the seeded split."""
-    n = len(loaded.examples[name])
-    if loaded.roles[name] in EVAL_ROLES:
+    if task.role in EVAL_ROLES:
         return list(range(n))
-    fraction = loaded.entries[name].heldout_fraction
+    fraction = task.spec.heldout_fraction
     return heldout_indices(n, cfg.data.heldout_fraction if fraction is None else fraction, cfg.run.seed, name)
 
 
-def _encode_source(
-    examples: list[Example], heldout: set[int], encoder: Encoder, bar: tqdm, tokens_path: Path, budget: int | None
-) -> dict[str, int]:
-    """Encode one source in batches: count its tokens and cache its token ids, from its images'
-    sizes alone (:meth:`Encoder.encode_counted`: no image decoded). A training example longer
-    than a packed micro batch (``budget``) is refused, named, before anything trains."""
-    counts = dict.fromkeys(
-        ("examples", "train_examples", "train_tokens", "heldout_tokens", "supervised_tokens", "truncated"), 0
-    )
-    encoded = (
-        enc
-        for i in range(0, len(examples), ENCODE_BATCH)
-        for enc in encoder.encode_counted(examples[i : i + ENCODE_BATCH])
-    )
-    ids = []
-    for position, enc in enumerate(encoded):
-        ids.append(enc.input_ids.to(torch.int32))  # kept with each example's fingerprint
-        split = "heldout" if position in heldout else "train"
-        if split == "train" and budget is not None and enc.num_tokens > budget:
-            raise examples[position].error(
-                f"{enc.num_tokens} tokens do not fit a packed micro batch of train.max_tokens = {budget}: "
-                f"raise train.max_tokens, or set data.max_length to at most {budget} to truncate such examples"
-            )
-        counts["examples"] += 1
-        counts[f"{split}_tokens"] += enc.num_tokens
-        if split == "train":
-            counts["train_examples"] += 1
-            counts["supervised_tokens"] += enc.num_supervised
-        counts["truncated"] += enc.truncated
-        bar.update()
-    _save_token_ids(ids, [ex.fingerprint() for ex in examples], tokens_path)
-    return counts
+def _run_tasks(
+    tasks: list[Task], cfg: RunConfig, run_dir: Path, encoder: Encoder, digest: str, force: bool
+) -> list[dict[str, Any]]:
+    """Every task's result: from the record of a prepare that finished it before, else prepared
+    here, side by side in up to ``data.prepare_processes`` processes (spawned: the stage may run in
+    a threaded flow, where a fork could copy a lock held by another thread)."""
+    results = [None if force else _prepared_before(run_dir, task, digest) for task in tasks]
+    pending = [i for i, result in enumerate(results) if result is None]
+    processes = min(cfg.data.prepare_processes or len(os.sched_getaffinity(0)), len(pending))
+    args = (cfg.data, cfg.run.seed, run_dir, digest)
+    with tqdm(total=len(tasks), initial=len(tasks) - len(pending), desc="prepare", unit="task", leave=False) as bar:
+        if processes <= 1:
+            for i in pending:
+                results[i] = prepare_task(tasks[i], *args, encoder)
+                bar.update()
+            return results
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(processes, mp_context=context, initializer=_keep, initargs=(encoder,)) as pool:
+            futures = {pool.submit(_prepare_in_worker, tasks[i], *args): i for i in pending}
+            try:
+                for future in as_completed(futures):
+                    results[futures[future]] = future.result()
+                    bar.update()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # the tasks under way finish: their records are kept
+                raise
+    return results
 
 
-def _save_token_ids(ids: list[torch.Tensor], fingerprints: list[int], path: Path) -> None:
-    offsets = torch.tensor([0, *torch.tensor([len(x) for x in ids]).cumsum(0).tolist()], dtype=torch.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {
-        "input_ids": torch.cat(ids),
-        "offsets": offsets,
-        "fingerprints": torch.tensor(fingerprints, dtype=torch.int64),
+_worker_encoder: Encoder | None = None
+
+
+def _keep(encoder: Encoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _prepare_in_worker(task: Task, data: Any, seed: int, run_dir: Path, digest: str) -> dict[str, Any]:
+    return prepare_task(task, data, seed, run_dir, digest, _worker_encoder)
+
+
+def prepare_task(task: Task, data: Any, seed: int, run_dir: Path, digest: str, encoder: Encoder) -> dict[str, Any]:
+    """Stream one task's sources into the store, encoded a batch at a time; its record (what the
+    manifest needs of each source, its skips) is written last."""
+    policy, prepared = Policy(data.on_bad_record, seed), {}
+    inputs = {str(p): _stat(p) for p in task.inputs()}
+    with local_datasets():
+        for name, stream in task.sources(data, policy):
+            folder, origin, tags = store_folder(name), None, 0
+            with StoreWriter(run_dir / folder) as writer, tqdm(desc=name, unit="ex", leave=False) as bar:
+                for batch in _batches(stream):
+                    examples, encoded = _encoded(batch, encoder, policy)
+                    if examples:
+                        writer.add(examples, encoded)
+                        origin = origin or examples[0].origin
+                        tags += sum(ex.tags_inserted > 0 for ex in examples)
+                        bar.update(len(examples))
+            if writer.rows == 0:
+                shutil.rmtree(run_dir / folder, ignore_errors=True)
+                policy.reject(name, no_examples(task, name))
+                continue
+            prepared[name] = {"store": str(folder), "origin": origin, "inputs": inputs, "image_tags_inserted": tags}
+    skipped = {
+        name: {
+            "skipped": len(reasons),
+            "skipped_by_reason": dict(policy.skipped_by_reason[name]),
+            "skipped_reasons": reasons[:SKIPPED_SHOWN],
+        }
+        for name, reasons in policy.skipped.items()
     }
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    result = {"sources": prepared, "skipped": skipped}
+    write_json_atomic(_record(run_dir, task), {"config_digest": digest, "inputs": inputs, **result})
+    return result
 
 
-def _attach_token_ids(examples: list[Example], path: Path, source: str) -> None:
-    """Give each example its cached ids, refusing a cache that no longer matches the data."""
-    tensors = load_file(str(path))
-    bounds = tensors["offsets"].tolist()
-    fingerprints = tensors["fingerprints"].tolist()
-    if len(fingerprints) != len(examples):
-        raise DataError(
-            str(path),
-            None,
-            f"source '{source}': {len(examples)} examples but {len(fingerprints)} cached; "
-            "re-run `merit prepare --force`",
-        )
-    for i, example in enumerate(examples):
-        if example.fingerprint() != fingerprints[i]:
-            raise example.error(
-                "changed since `merit prepare` (its cached token ids are stale); re-run `merit prepare --force`"
-            )
-        example.token_ids = tensors["input_ids"][bounds[i] : bounds[i + 1]]
+def _batches(stream: Any) -> Any:
+    batch: list[Example] = []
+    for example in stream:
+        batch.append(example)
+        if len(batch) == ENCODE_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _encoded(batch: list[Example], encoder: Encoder, policy: Policy) -> tuple[list[Example], list[Any]]:
+    """A batch counted together; if one of its examples cannot be encoded (an image too thin to
+    resize), each alone, the bad ones handed to the bad-record policy."""
+    try:
+        return batch, encoder.encode_counted(batch)
+    except DataError:
+        kept, encoded = [], []
+        for example in batch:
+            try:
+                encoded += encoder.encode_counted([example])
+                kept.append(example)
+            except DataError as err:
+                policy.reject(example.source, err)
+        return kept, encoded
+
+
+def _record(run_dir: Path, task: Task) -> Path:
+    return run_dir / TASKS_DIR / f"{quote(f'{task.listed}:{task.label}', safe='')}.json"
+
+
+def _stat(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _prepared_before(run_dir: Path, task: Task, digest: str) -> dict[str, Any] | None:
+    """A task's result from a prepare that finished it (same config, same input files, its
+    sources' rows whole); None otherwise."""
+    record = _record(run_dir, task)
+    done = json.loads(record.read_text()) if record.is_file() else None
+    if not done or done["config_digest"] != digest:
+        return None
+    if done["inputs"] != {str(p): _stat(p) for p in task.inputs()}:
+        return None
+    if not all((run_dir / info["store"]).is_dir() for info in done["sources"].values()):
+        return None
+    return {"sources": done["sources"], "skipped": done["skipped"]}
 
 
 def load_split(
     cfg: RunConfig, run_dir: str | Path, split: str, sources: list[str] | None = None
-) -> dict[str, list[Example]]:
+) -> dict[str, StoredExamples]:
     """The ``train`` or ``heldout`` examples of each fine-tuning source (or of the named sources,
-    of any role), as prepared, with their cached token ids attached."""
+    of any role), as prepared: read from the store when indexed, with their token ids. A source
+    whose files changed since ``prepare`` is refused (its rows would be stale)."""
     manifest = read_manifest(run_dir)
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -218,11 +285,16 @@ def load_split(
     unknown = sorted(set(wanted) - set(known))
     if unknown:
         raise ValueError(f"unknown sources {unknown}; prepared: {sorted(known)}")
-    loaded = _load(cfg)
     out = {}
     for name in wanted:
-        held = set(known[name]["heldout_indices"])
-        examples = loaded.examples[name]
-        _attach_token_ids(examples, Path(run_dir) / known[name]["tokens_file"], name)
-        out[name] = [ex for pos, ex in enumerate(examples) if (pos in held) == (split == "heldout")]
+        info = known[name]
+        for path, stat in info["inputs"].items():
+            if not Path(path).exists() or _stat(Path(path)) != stat:
+                raise DataError(
+                    path, None, f"changed since `merit prepare` (source '{name}'); re-run `merit prepare --force`"
+                )
+        store = SourceStore(Path(run_dir) / info["store"], name, info["origin"])
+        held = np.zeros(info["examples"], dtype=bool)
+        held[info["heldout_indices"]] = True
+        out[name] = StoredExamples.of(store, np.flatnonzero(held == (split == "heldout")))
     return out

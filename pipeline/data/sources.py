@@ -16,14 +16,17 @@ from typing import Any, get_args
 from pipeline.config import DataSection, EvalSourceSpec, SourceSpec
 from pipeline.data import builtin
 from pipeline.data.example import DataError, Example
-from pipeline.data.formats import RecordParser, read_hf_disk_records, read_json_records, read_jsonl_records
-from pipeline.data.hub import hub_records, local_datasets
+from pipeline.data.formats import RecordParser, hf_disk_files, read_json_records, read_jsonl_records
+from pipeline.data.hub import HubDataset, SubsetTable, local_datasets, subset_records
 
 EVAL_ROLES: tuple[str, ...] = get_args(EvalSourceSpec.model_fields["role"].annotation)  # never trained on
 
 
 @dataclass
 class LoadedSources:
+    """Every source's examples in memory (:func:`load_sources`: for small corpora and tests; the
+    prepare stage streams each :class:`Task` into the store instead)."""
+
     examples: dict[str, list[Example]] = field(default_factory=dict)
     formats: dict[str, str] = field(default_factory=dict)
     entries: dict[str, SourceSpec] = field(default_factory=dict)  # the config entry of each source
@@ -37,33 +40,34 @@ class LoadedSources:
         self.examples[name], self.formats[name], self.entries[name] = examples, spec.format, spec
 
 
-class _Policy:
-    """``on_bad_record``: ``error`` re-raises the DataError, ``skip`` records it and goes on."""
+class Policy:
+    """``on_bad_record``: ``error`` re-raises the DataError, ``skip`` records it (by source and
+    reason) and goes on."""
 
-    def __init__(self, mode: str, loaded: LoadedSources, seed: int):
-        self.mode, self.loaded, self.seed = mode, loaded, seed
+    def __init__(self, mode: str, seed: int):
+        self.mode, self.seed = mode, seed
+        self.skipped: dict[str, list[str]] = defaultdict(list)
+        self.skipped_by_reason: dict[str, Counter] = defaultdict(Counter)
 
-    def parse_all(
+    def parsed(
         self, parser: RecordParser, records: Iterable[tuple[int, Any]], limit: int | None, total: int
-    ) -> list[Example]:
-        """The source's ``total`` records parsed; with ``limit``, a seeded sample of that many
-        (fewer when some are bad), in their order, never only the first ones."""
+    ) -> Iterator[Example]:
+        """The source's ``total`` records parsed as they are read; with ``limit``, a seeded sample of
+        that many (fewer when some are bad), in their order, never only the first ones."""
         kept = sampled(total, limit, self.seed, parser.source)
-        examples = []
         for position, (index, raw) in enumerate(records):
             if kept is not None and position not in kept:
                 continue
             try:
-                examples.append(parser.parse(index, raw))
+                yield parser.parse(index, raw)
             except DataError as err:
                 self.reject(parser.source, err)
-        return examples
 
     def reject(self, source: str, err: DataError) -> None:
         if self.mode == "error":
             raise err
-        self.loaded.skipped[source].append(str(err))
-        self.loaded.skipped_by_reason[source][err.reason] += 1
+        self.skipped[source].append(str(err))
+        self.skipped_by_reason[source][err.reason] += 1
 
 
 def sampled(total: int, limit: int | None, seed: int, source: str) -> set[int] | None:
@@ -74,79 +78,122 @@ def sampled(total: int, limit: int | None, seed: int, source: str) -> set[int] |
     return set(random.Random(f"{seed}:{source}").sample(range(total), limit))
 
 
-def load_sources(
-    data: DataSection, seed: int, warmup: list[SourceSpec] | None = None, evaluated: list[EvalSourceSpec] = ()
-) -> LoadedSources:
-    """The sources of ``data.sources`` and of the run's ``warmup.sources`` and ``eval.sources``
-    (``warmup`` and ``evaluated``), each with its role; every list given must yield a source."""
-    loaded = LoadedSources()
-    policy = _Policy(data.on_bad_record, loaded, seed)
+@dataclass(frozen=True)
+class Task:
+    """One unit of the prepare stage's parallel work: a config entry, or one subset of a hub entry
+    (a mixture's subsets are prepared side by side). ``listed``: the config list that names it."""
+
+    spec: SourceSpec
+    role: str
+    listed: str
+    subset: str | None = None
+    hub: HubDataset | None = None
+
+    @property
+    def label(self) -> str:
+        return self.spec.name if self.subset is None else f"{self.spec.name}/{self.subset}"
+
+    def inputs(self) -> list[Path]:
+        """The files it reads (their sizes and times tell whether what it prepared is current)."""
+        if self.hub is not None:
+            return self.hub.data_files(self.subset)
+        return [] if self.spec.format == "builtin" else [Path(self.spec.path)]
+
+    def sources(self, data: DataSection, policy: Policy) -> Iterator[tuple[str, Iterable[Example]]]:
+        """``(source name, its examples, streamed)``, the bad-record policy applied."""
+        spec = self.spec
+        if spec.format == "builtin":
+            yield from builtin.generate(spec.tasks, data.builtin, policy.seed, spec.suite, spec.max_examples).items()
+            return
+        if self.hub is not None:
+            for name, parser, records, total in subset_records(self.hub, self.subset):
+                yield name, policy.parsed(parser, records, spec.max_examples, total)
+            return
+        path = Path(spec.path)
+        if not path.exists():
+            raise DataError(str(path), None, f"source '{spec.name}': file not found")
+        images_dir = Path(spec.images_dir) if spec.images_dir else (path if path.is_dir() else path.parent)
+        if spec.format == "vision_flan":
+            yield from _vision_flan(spec, path, images_dir, policy)
+            return
+        if spec.format == "hf_disk":
+            table = SubsetTable(hf_disk_files(path), None, str(path), spec.name)
+            records = ((row, record) for row, _, record in table.records(None, keep_bytes=True))
+            yield (
+                spec.name,
+                policy.parsed(RecordParser(spec.name, path, images_dir), records, spec.max_examples, table.rows),
+            )
+            return
+        readers = {
+            "llava": lambda: enumerate(read_json_records(path)),
+            "sharegpt": lambda: enumerate(read_json_records(path)),
+            "jsonl": lambda: read_jsonl_records(path),
+        }
+        read = readers[spec.format]
+        total = sum(1 for _ in read()) if spec.max_examples is not None else 0  # a sample needs the count first
+        yield spec.name, policy.parsed(RecordParser(spec.name, path, images_dir), read(), spec.max_examples, total)
+
+
+def source_tasks(
+    data: DataSection, warmup: list[SourceSpec] | None = None, evaluated: list[EvalSourceSpec] = ()
+) -> list[Task]:
+    """The tasks of ``data.sources``, the run's ``warmup.sources`` and ``eval.sources``, in order,
+    each with its role; a hub entry's subsets are checked present here, before any is read."""
     lists = {
         "data.sources": [(spec, "finetune") for spec in data.sources],
         "warmup.sources": [(spec, "warmup") for spec in warmup or []],
         "eval.sources": [(spec, spec.role) for spec in evaluated],
     }
-    for where, entries in lists.items():
-        before = len(loaded.examples)
+    tasks = []
+    for listed, entries in lists.items():
         for spec, role in entries:
-            generated = _load_entry(spec, data, seed, policy)
-            loaded.roles |= dict.fromkeys([spec.name, *generated], role)  # spec.name: its records' skips
-            for name, examples in generated.items():
-                if not examples:
-                    origin = spec.path or f"builtin:{name}"
-                    policy.reject(name, DataError(origin, None, f"source '{name}' has no examples"))
-                    continue
-                loaded.add(name, spec, examples)
-        if (entries or where == "data.sources") and len(loaded.examples) == before:
-            raise DataError(f"config {where}", None, "no source has any example")
+            if spec.format != "hub":
+                tasks.append(Task(spec, role, listed))
+                continue
+            hub = HubDataset.find(spec)
+            tasks += [Task(spec, role, listed, subset, hub) for subset in hub.wanted()]
+    return tasks
+
+
+def load_sources(
+    data: DataSection, seed: int, warmup: list[SourceSpec] | None = None, evaluated: list[EvalSourceSpec] = ()
+) -> LoadedSources:
+    """The sources of ``data.sources`` and of the run's ``warmup.sources`` and ``eval.sources``
+    (``warmup`` and ``evaluated``), each with its role, in memory; every list given must yield a
+    source."""
+    loaded, policy = LoadedSources(), Policy(data.on_bad_record, seed)
+    loaded.skipped, loaded.skipped_by_reason = policy.skipped, policy.skipped_by_reason
+    tasks = source_tasks(data, warmup, evaluated)
+    for listed in ("data.sources", "warmup.sources", "eval.sources"):
+        before, mine = len(loaded.examples), [task for task in tasks if task.listed == listed]
+        for task in mine:
+            loaded.roles[task.spec.name] = task.role  # the entry's own skips (records without a task name)
+            with local_datasets():
+                for name, stream in task.sources(data, policy):
+                    loaded.roles[name] = task.role
+                    examples = list(stream)
+                    if not examples:
+                        policy.reject(name, no_examples(task, name))
+                        continue
+                    loaded.add(name, task.spec, examples)
+        if (mine or listed == "data.sources") and len(loaded.examples) == before:
+            raise no_source(listed)
     return loaded
 
 
-def _load_entry(spec: SourceSpec, data: DataSection, seed: int, policy: _Policy) -> dict[str, list[Example]]:
-    if spec.format == "builtin":
-        return builtin.generate(spec.tasks, data.builtin, seed, spec.suite, spec.max_examples)
-    if spec.format == "hub":
-        return _load_hub(spec, policy)
-    path = Path(spec.path)
-    if not path.exists():
-        raise DataError(str(path), None, f"source '{spec.name}': file not found")
-    images_dir = Path(spec.images_dir) if spec.images_dir else (path if path.is_dir() else path.parent)
-    if spec.format == "vision_flan":
-        return _load_vision_flan(spec, path, images_dir, policy)
-    readers = {
-        "llava": lambda: list(enumerate(read_json_records(path))),
-        "sharegpt": lambda: list(enumerate(read_json_records(path))),
-        "jsonl": lambda: list(read_jsonl_records(path)),
-        "hf_disk": lambda: _indexed(read_hf_disk_records(path)),
-    }
-    parser, records = RecordParser(spec.name, path, images_dir), readers[spec.format]()
-    return {spec.name: policy.parse_all(parser, records, spec.max_examples, len(records))}
+def no_examples(task: Task, name: str) -> DataError:
+    return DataError(task.spec.path or f"builtin:{name}", None, f"source '{name}' has no examples")
 
 
-class _indexed:
-    """A ``datasets.Dataset``'s rows as ``(index, row)``, with its length, read as iterated."""
-
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
-        return enumerate(self.dataset)
+def no_source(listed: str) -> DataError:
+    return DataError(f"config {listed}", None, "no source has any example")
 
 
-def _load_hub(spec: SourceSpec, policy: _Policy) -> dict[str, list[Example]]:
-    """One source per subset (or per value of ``source_column``) of a hub data set."""
-    out = {}
-    with local_datasets():
-        for name, parser, records, total in hub_records(spec):
-            out[name] = policy.parse_all(parser, records, spec.max_examples, total)
-    return out
-
-
-def _load_vision_flan(spec: SourceSpec, path: Path, images_dir: Path, policy: _Policy) -> dict[str, list[Example]]:
-    """One annotation file, one source per ``task_name`` (optionally only ``spec.tasks``)."""
+def _vision_flan(
+    spec: SourceSpec, path: Path, images_dir: Path, policy: Policy
+) -> Iterator[tuple[str, Iterable[Example]]]:
+    """One annotation file, one source per ``task_name`` (optionally only ``spec.tasks``): the
+    file's records are grouped by task first (held: 191 k records of text, no image)."""
     by_task: dict[str, list[tuple[int, Any]]] = defaultdict(list)
     for index, raw in enumerate(read_json_records(path)):
         task = raw.get("task_name") if isinstance(raw, dict) else None
@@ -158,9 +205,6 @@ def _load_vision_flan(spec: SourceSpec, path: Path, images_dir: Path, policy: _P
     missing = sorted(set(wanted) - set(by_task))
     if missing:
         raise DataError(str(path), None, f"tasks not in the annotation file: {missing}")
-    return {
-        task: policy.parse_all(
-            RecordParser(task, path, images_dir), by_task[task], spec.max_examples, len(by_task[task])
-        )
-        for task in wanted
-    }
+    for task in wanted:
+        records = by_task.pop(task)
+        yield task, policy.parsed(RecordParser(task, path, images_dir), records, spec.max_examples, len(records))

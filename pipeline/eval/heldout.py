@@ -84,7 +84,7 @@ class Heldout:
     def load(cls, cfg: RunConfig, run_dir: str | Path, roles: dict[str, str]) -> Heldout:
         limit = cfg.eval.max_examples_per_source
         split = load_split(cfg, run_dir, "heldout", list(roles))
-        examples = {src: items[:limit] for src, items in split.items() if items}
+        examples = {src: list(items[:limit]) for src, items in split.items() if items}  # read from the store once
         if not any(roles[src] == "trained" for src in examples):
             raise ValueError(
                 f"{run_dir}: no held-out examples of the fine-tuning sources to evaluate on "

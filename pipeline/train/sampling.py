@@ -12,6 +12,7 @@ import numpy as np
 from pipeline.config import TrainSection
 from pipeline.data import Collator, Encoder, Example, load_split
 from pipeline.data.packed import PackedCollator
+from pipeline.data.store import StoredExamples
 from pipeline.models.loading import model_config
 from pipeline.train.packing import PackOrder
 
@@ -47,11 +48,12 @@ class BatchOrder:
 
 @dataclass
 class BranchData:
-    """A branch's training examples (flat, in ``spec.sources`` order), their order (packed micro
+    """A branch's training examples (flat, in ``spec.sources`` order; only its group's rows, never
+    the corpus), their order (packed micro
     batches of ``train.max_tokens``, or padded ones of ``train.micro_batch`` examples), and the
     encoder and collator that turn them into batches."""
 
-    examples: list[Example]
+    examples: StoredExamples  # read from the prepared store when drawn
     order: BatchOrder | PackOrder
     encoder: Encoder
     collator: Collator | PackedCollator
@@ -61,12 +63,11 @@ class BranchData:
     def for_branch(cls, spec: Any, processor: Any) -> BranchData:
         cfg, t = spec.config, spec.train
         by_source = load_split(cfg, spec.run_dir, "train", spec.sources)
-        examples = [ex for name in spec.sources for ex in by_source[name]]
+        examples = StoredExamples.joined([by_source[name] for name in spec.sources])
         if spec.shard:
             examples = examples[spec.shard[0] :: spec.shard[1]]
         if t.packing:
-            lengths = np.array([len(ex.token_ids) for ex in examples], dtype=np.int64)
-            order = PackOrder(lengths, t.max_tokens, t.packing_window, cfg.run.seed)
+            order = PackOrder(examples.lengths(), t.max_tokens, t.packing_window, cfg.run.seed)
             collator = PackedCollator(model_config(spec.init, cfg.model))
         else:
             order, collator = BatchOrder(len(examples), cfg.run.seed), Collator(processor.tokenizer.pad_token_id)
