@@ -17,10 +17,12 @@ touched: clean page cache, shared by every rank of the machine and dropped under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import resource
 import time
 from pathlib import Path
+
+import psutil
 
 from benchmarks.hub_cache import image, write_dataset_cache, write_large_mixture
 from benchmarks.merge import run_in_process
@@ -42,10 +44,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _stage(queue, what: str, cfg: RunConfig, run_dir: str, home: str, steps: int) -> None:
     """One stage in this (fresh) process; puts its seconds, peaks and summary."""
     os.environ["HF_HOME"] = home
-    with AnonymousPeak() as anonymous:
+    with AnonymousPeak() as anonymous, WorkerPeak() as workers:
         result = _run_stage(what, cfg, run_dir, steps)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    queue.put({"rss": max_rss(), "anonymous": anonymous.peak, "workers": children, **result})
+    queue.put({"rss": max_rss(), "anonymous": anonymous.peak, "workers": workers.peak, **result})
+
+
+class WorkerPeak(AnonymousPeak):
+    """The largest resident size any child process (a prepare worker) reached, sampled."""
+
+    def _sample(self, interval: float) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            for child in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    self.peak = max(self.peak, child.memory_info().rss)
+            self._stop.wait(interval)
+
+
+def _write(queue, home: str, repo: str, subsets: int, rows: int, shards: int) -> None:
+    """The mixture written in a process of its own: the rows it builds are not the stages' parent's."""
+    start = time.perf_counter()
+    write_large_mixture(Path(home), repo, subsets, rows, shards)
+    queue.put(time.perf_counter() - start)
 
 
 def _run_stage(what: str, cfg: RunConfig, run_dir: str, steps: int) -> dict:
@@ -110,9 +130,8 @@ def main(args: argparse.Namespace) -> None:
     for size in args.sizes:
         repo = f"bench/cauldron-{size}"
         if not (home / "hub" / f"datasets--{repo.replace('/', '--')}").is_dir():
-            start = time.perf_counter()
-            write_large_mixture(home, repo, args.subsets, size // args.subsets, args.shards)
-            print(f"{repo}: written in {time.perf_counter() - start:.0f} s")
+            seconds = run_in_process(_write, str(home), repo, args.subsets, size // args.subsets, args.shards)
+            print(f"{repo}: written in {seconds:.0f} s")
         cfg, run_dir = _run(args, base, str(size), repo)
         prepared = run_in_process(_stage, "prepare", cfg, str(run_dir), str(home), args.steps)
         calibrated = run_in_process(_stage, "calibrate", cfg, str(run_dir), str(home), args.steps)
@@ -132,7 +151,7 @@ def main(args: argparse.Namespace) -> None:
                 _peaks(rank),
             ]
         )
-    headers = ["examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's max RSS MB", "calibrate s"]
+    headers = ["examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's peak RSS MB", "calibrate s"]
     headers += ["calibrate MB", "rank's examples", "rank s (data built / with steps)", "rank MB"]
     print(format_table(headers, rows))
     if args.paths:
@@ -165,7 +184,7 @@ def _path_strings(args: argparse.Namespace, base: Path, home: Path) -> None:
         write_dataset_cache(home, repo, configs, extra=extra)
     cfg, run_dir = _run(args, base, "paths", repo)
     prepared = run_in_process(_stage, "prepare", cfg, str(run_dir), str(home), args.steps)
-    headers = ["path-string mixture: examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's max RSS MB"]
+    headers = ["path-string mixture: examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's peak RSS MB"]
     row = [
         f"{prepared['examples']:,}",
         ", ".join(f"{k}: {v}" for k, v in prepared["skipped"].items()) or "none",

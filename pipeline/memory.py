@@ -1,6 +1,6 @@
 """Peak memory of this process: anonymous resident memory (what it allocated, not the page
 cache of memory-mapped checkpoints, which is shared and reclaimable) sampled from
-``/proc/self/status``, and ``ru_maxrss`` (every resident page, file-backed ones included)."""
+``/proc/self/status``, and the peak of every resident page, file-backed ones included."""
 
 from __future__ import annotations
 
@@ -11,17 +11,24 @@ from pathlib import Path
 
 def rss_anon() -> int:
     """Anonymous resident bytes now (0 where /proc is not there)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status("RssAnon") or 0
 
 
 def max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The peak of every resident page of this process. ``VmHWM`` where /proc has it: ``ru_maxrss``
+    keeps, across exec, the peak of the process that forked it, so a spawned child would report at
+    least its parent's size."""
+    return _status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class AnonymousPeak:

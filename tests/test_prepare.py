@@ -196,6 +196,7 @@ def test_only_the_fine_tuning_sources_reach_calibration_branches_and_shards(role
         drawn = {(ex.source, ex.index) for step in range(t.steps) for batch in data.micro_batches(step) for ex in batch}
         assert {source for source, _ in drawn} == set(spec.sources), spec.name
         assert drawn == {(ex.source, ex.index) for ex in data.examples}  # an epoch: every training example
+        assert [store.source for store in data.examples.stores] == spec.sources  # no other group's rows opened
     assert all(sorted(sources) == sorted(FINETUNE) for sources, _ in shards(cfg, run_dir))
 
 

@@ -163,7 +163,8 @@ def _run_tasks(
                 bar.update()
             return results
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(processes, mp_context=context, initializer=_keep, initargs=(encoder,)) as pool:
+        lines = context.Value("i", 0)  # each worker's terminal line for its bars
+        with ProcessPoolExecutor(processes, mp_context=context, initializer=_keep, initargs=(encoder, lines)) as pool:
             futures = {pool.submit(_prepare_in_worker, tasks[i], *args): i for i in pending}
             try:
                 for future in as_completed(futures):
@@ -176,11 +177,15 @@ def _run_tasks(
 
 
 _worker_encoder: Encoder | None = None
+_bar_line = 1  # the terminal line of this process' per-source bars, below the stage's own
 
 
-def _keep(encoder: Encoder) -> None:
-    global _worker_encoder
+def _keep(encoder: Encoder, lines: Any) -> None:
+    global _worker_encoder, _bar_line
     _worker_encoder = encoder
+    with lines.get_lock():
+        lines.value += 1
+        _bar_line = lines.value
 
 
 def _prepare_in_worker(task: Task, data: Any, seed: int, run_dir: Path, digest: str) -> dict[str, Any]:
@@ -195,7 +200,8 @@ def prepare_task(task: Task, data: Any, seed: int, run_dir: Path, digest: str, e
     with local_datasets():
         for name, stream in task.sources(data, policy):
             folder, origin, tags = store_folder(name), None, 0
-            with StoreWriter(run_dir / folder) as writer, tqdm(desc=name, unit="ex", leave=False) as bar:
+            bar = tqdm(desc=name, unit="ex", leave=False, position=_bar_line)
+            with StoreWriter(run_dir / folder) as writer, bar:
                 for batch in _batches(stream):
                     examples, encoded = _encoded(batch, encoder, policy)
                     if examples:
