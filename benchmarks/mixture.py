@@ -73,13 +73,15 @@ def _run_stage(what: str, cfg: RunConfig, run_dir: str, steps: int) -> dict:
     if what == "prepare":
         from pipeline.data import prepare_data
 
-        manifest = prepare_data(cfg, run_dir, processor_for(cfg, run_dir), force=True)
+        processor = processor_for(cfg, run_dir)
+        startup = time.perf_counter() - start  # imports and the processor: the same at any size
+        manifest = prepare_data(cfg, run_dir, processor, force=True)
         sources = manifest["sources"].values()
         skipped: dict[str, int] = {}
         for info in sources:
             for reason, n in info.get("skipped_by_reason", {}).items():
                 skipped[reason] = skipped.get(reason, 0) + n
-        summary = {"examples": sum(s.get("examples", 0) for s in sources), "skipped": skipped}
+        summary = {"examples": sum(s.get("examples", 0) for s in sources), "skipped": skipped, "startup": startup}
     elif what == "calibrate":
         from calibration.stage import calibrate
 
@@ -118,6 +120,12 @@ def _mb(n: int) -> int:
     return round(n / 2**20)
 
 
+def _rate(prepared: dict) -> list[str]:
+    """Seconds (start-up: imports and the processor), and examples a second with and without it."""
+    seconds, startup, examples = prepared["seconds"], prepared["startup"], prepared["examples"]
+    return [f"{seconds:.1f} ({startup:.1f})", f"{examples / seconds:,.0f} / {examples / (seconds - startup):,.0f}"]
+
+
 def _peaks(result: dict) -> str:
     return f"{_mb(result['anonymous'])} / {_mb(result['rss'])}"
 
@@ -140,8 +148,7 @@ def main(args: argparse.Namespace) -> None:
             [
                 f"{prepared['examples']:,}",
                 ", ".join(f"{k}: {v}" for k, v in prepared["skipped"].items()) or "none",
-                f"{prepared['seconds']:.1f}",
-                f"{prepared['examples'] / prepared['seconds']:,.0f}",
+                *_rate(prepared),
                 _peaks(prepared),
                 _mb(prepared["workers"]),
                 f"{calibrated['seconds']:.1f}",
@@ -151,7 +158,15 @@ def main(args: argparse.Namespace) -> None:
                 _peaks(rank),
             ]
         )
-    headers = ["examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's peak RSS MB", "calibrate s"]
+    headers = [
+        "examples",
+        "skipped",
+        "prepare s (start-up)",
+        "ex/s: all / after start-up",
+        "prepare MB",
+        "a worker's peak RSS MB",
+        "calibrate s",
+    ]
     headers += ["calibrate MB", "rank's examples", "rank s (data built / with steps)", "rank MB"]
     print(format_table(headers, rows))
     if args.paths:
@@ -184,12 +199,18 @@ def _path_strings(args: argparse.Namespace, base: Path, home: Path) -> None:
         write_dataset_cache(home, repo, configs, extra=extra)
     cfg, run_dir = _run(args, base, "paths", repo)
     prepared = run_in_process(_stage, "prepare", cfg, str(run_dir), str(home), args.steps)
-    headers = ["path-string mixture: examples", "skipped", "prepare s", "ex/s", "prepare MB", "a worker's peak RSS MB"]
+    headers = [
+        "path-string mixture: examples",
+        "skipped",
+        "prepare s (start-up)",
+        "ex/s: all / after start-up",
+        "prepare MB",
+        "a worker's peak RSS MB",
+    ]
     row = [
         f"{prepared['examples']:,}",
         ", ".join(f"{k}: {v}" for k, v in prepared["skipped"].items()) or "none",
-        f"{prepared['seconds']:.1f}",
-        f"{prepared['examples'] / prepared['seconds']:,.0f}",
+        *_rate(prepared),
         _peaks(prepared),
         _mb(prepared["workers"]),
     ]

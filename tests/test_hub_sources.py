@@ -219,7 +219,9 @@ def test_a_corrupt_image_in_a_two_shard_multi_turn_subset_is_skipped_by_name_and
     )
     entry = hub_source("corrupt", "someone/corrupt")
     with pytest.raises(
-        DataError, match=r"someone/corrupt@[0-9a-f]{12}:one/train record 5: unreadable image: cannot identify"
+        DataError,
+        match=r"someone/corrupt@[0-9a-f]{12}:one/train record 5: unreadable image "
+        r"\(train-00001-of-00002\.parquet row 1\): cannot identify",
     ):
         load_sources(DataSection(sources=[yaml.safe_load(entry)]), seed=0)
     cfg = small_config(f"data.sources=[{entry}]", "data.on_bad_record=skip")

@@ -7,7 +7,7 @@ from conftest import small_config
 
 import pipeline.data.prepare as prepare_module
 from calibration.stage import calibrate
-from pipeline.data import Encoder, active_sources, load_split, prepare_data, read_manifest
+from pipeline.data import DataError, Encoder, active_sources, load_split, prepare_data, read_manifest
 from pipeline.data.builtin import UNSEEN
 from pipeline.data.prepare import data_digest, heldout_indices
 from pipeline.diloco.plan import shards
@@ -105,6 +105,16 @@ def test_prepare_in_processes_writes_what_one_process_writes(tmp_path, processor
         )
         assert [ex.messages for ex in one] == [ex.messages for ex in two]
         assert all(torch.equal(a.token_ids, b.token_ids) for a, b in zip(one, two, strict=True))
+
+
+def test_a_bad_record_met_in_a_worker_stops_prepare_named_as_in_one_process(tmp_path, processor):
+    from conftest import llava_record, write_json
+
+    path = write_json(tmp_path / "bad.json", [llava_record(None, "1"), {"conversations": "nope"}])
+    bad = f"{{name: bad, format: llava, path: {path}}}"  # the first task: the worker's (this process takes the next)
+    cfg = small_config(THREE_ENTRIES.replace("data.sources=[", f"data.sources=[{bad}, "), "data.prepare_processes=2")
+    with pytest.raises(DataError, match=r"bad\.json record 1: conversation must be a list of turns"):
+        prepare_data(cfg, tmp_path / "run", processor)
 
 
 def test_heldout_indices_are_seeded_and_bounded():

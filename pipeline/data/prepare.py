@@ -5,7 +5,8 @@ seeded split, surface every bad record before any training starts, write the man
 ``data/manifest.json`` per source: role (``finetune``, ``warmup``, ``unseen`` or ``retention``,
 see :mod:`pipeline.data.sources`), format, store folder, examples, held-out indices, train/held-out
 tokens, supervised tokens, the cap its entry set (``max_examples``), truncated and skipped counts,
-and the files it was read from (sizes and times: a later stage refuses rows whose files changed).
+its shards' digest, and the files it was read from (sizes and times: a later stage refuses rows
+whose files changed).
 Eval-only sources (unseen, retention) are held out whole: they never train. Train tokens are the
 token-weighted merge's weights and the split planner's balance.
 
@@ -18,13 +19,15 @@ halfway (a kill, a bad record) prepares again only the tasks it had not finished
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
 import random
 import shutil
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,7 +35,7 @@ from urllib.parse import quote
 import numpy as np
 from tqdm.auto import tqdm
 
-from pipeline.checkpoint import write_json_atomic
+from pipeline.checkpoint import sha256_file, write_json_atomic
 from pipeline.config import RunConfig
 from pipeline.data.benchmark import write_tasks
 from pipeline.data.encode import Encoder
@@ -123,6 +126,7 @@ def _source_entry(
     return {
         "role": task.role,
         "store": prepared["store"],
+        "store_digest": prepared["store_digest"],
         "format": task.spec.format,
         "origin": prepared["origin"],
         "inputs": prepared["inputs"],
@@ -163,17 +167,45 @@ def _run_tasks(
                 bar.update()
             return results
         context = multiprocessing.get_context("spawn")
-        lines = context.Value("i", 0)  # each worker's terminal line for its bars
-        with ProcessPoolExecutor(processes, mp_context=context, initializer=_keep, initargs=(encoder, lines)) as pool:
-            futures = {pool.submit(_prepare_in_worker, tasks[i], *args): i for i in pending}
+        lines = context.Value("i", 1)  # each worker's terminal line for its bars (this process': 1)
+        queue, running = list(pending), {}
+        pool = ProcessPoolExecutor(processes - 1, mp_context=context, initializer=_keep, initargs=(encoder, lines))
+        with _one_thread_tokenizers(), pool:
+            # This process prepares tasks too: it is warm (imports done, processor loaded) while a
+            # worker takes seconds to start, a tenth of a 100 k-row mixture's prepare on 2 cores.
             try:
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    bar.update()
+                while queue or running:
+                    for future in [f for f in running if f.done()]:
+                        results[running.pop(future)] = future.result()
+                        bar.update()
+                    while queue and len(running) < processes - 1:
+                        i = queue.pop(0)
+                        running[pool.submit(_prepare_in_worker, tasks[i], *args)] = i
+                    if queue:
+                        i = queue.pop(0)
+                        results[i] = prepare_task(tasks[i], *args, encoder)
+                        bar.update()
+                    elif running:
+                        wait(running, return_when=FIRST_COMPLETED)
             except BaseException:
                 pool.shutdown(cancel_futures=True)  # the tasks under way finish: their records are kept
                 raise
     return results
+
+
+@contextlib.contextmanager
+def _one_thread_tokenizers() -> Iterator[None]:
+    """The processes are the parallelism: a tokenizer's own threads (one per core in each process)
+    only oversubscribe the cores. Spawned workers inherit the setting."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 _worker_encoder: Encoder | None = None
@@ -213,7 +245,13 @@ def prepare_task(task: Task, data: Any, seed: int, run_dir: Path, digest: str, e
                 shutil.rmtree(run_dir / folder, ignore_errors=True)
                 policy.reject(name, no_examples(task, name))
                 continue
-            prepared[name] = {"store": str(folder), "origin": origin, "inputs": inputs, "image_tags_inserted": tags}
+            prepared[name] = {
+                "store": str(folder),
+                "store_digest": _store_digest(run_dir / folder),
+                "origin": origin,
+                "inputs": inputs,
+                "image_tags_inserted": tags,
+            }
     skipped = {
         name: {
             "skipped": len(reasons),
@@ -252,6 +290,14 @@ def _encoded(batch: list[Example], encoder: Encoder, policy: Policy) -> tuple[li
             except DataError as err:
                 policy.reject(example.source, err)
         return kept, encoded
+
+
+def _store_digest(folder: Path) -> str:
+    """sha256 over a source's shards' sha256s, in order."""
+    digest = hashlib.sha256()
+    for shard in sorted(folder.glob("shard-*.arrow")):
+        digest.update(bytes.fromhex(sha256_file(shard)))
+    return digest.hexdigest()
 
 
 def _record(run_dir: Path, task: Task) -> Path:

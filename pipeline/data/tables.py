@@ -100,7 +100,8 @@ class TableImage(StoredImage):
         return Image.open(io.BytesIO(data))
 
     def _unreadable(self, err: Exception) -> DataError:
-        return DataError(self.origin, self.record, f"unreadable image: {err}", "unreadable image")
+        where = f"{Path(self.path).name} row {self.row}"  # the shard and its row, beside the subset's row
+        return DataError(self.origin, self.record, f"unreadable image ({where}): {err}", "unreadable image")
 
     def reference(self) -> dict[str, Any]:
         """What the prepared store keeps of it (:func:`pipeline.data.store.image_reference`)."""
