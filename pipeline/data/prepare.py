@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -46,6 +47,7 @@ from pipeline.data.sources import EVAL_ROLES, Policy, Task, no_examples, no_sour
 from pipeline.data.store import STORE_DIR, SourceStore, StoredExamples, StoreWriter, store_folder
 
 TASKS_DIR = STORE_DIR / "tasks"
+SPAWN_AFTER_S = 2.0  # this process' work before workers start (each takes ~5 s to import and load)
 ENCODE_BATCH = 32
 SKIPPED_SHOWN = 5  # reasons kept per source in the manifest; the count is always exact
 LISTS = ("data.sources", "warmup.sources", "eval.sources")
@@ -154,43 +156,47 @@ def _run_tasks(
     tasks: list[Task], cfg: RunConfig, run_dir: Path, encoder: Encoder, digest: str, force: bool
 ) -> list[dict[str, Any]]:
     """Every task's result: from the record of a prepare that finished it before, else prepared
-    here, side by side in up to ``data.prepare_processes`` processes (spawned: the stage may run in
-    a threaded flow, where a fork could copy a lock held by another thread)."""
+    here, this process taking one task after another and, once it has worked ``SPAWN_AFTER_S``
+    with tasks left, workers beside it, up to ``data.prepare_processes`` processes in all. Workers
+    are spawned (the stage may run in a threaded flow, where a fork could copy a lock held by
+    another thread) and take seconds to start: a small corpus is prepared before one would be up."""
     results = [None if force else _prepared_before(run_dir, task, digest) for task in tasks]
-    pending = [i for i, result in enumerate(results) if result is None]
-    processes = min(cfg.data.prepare_processes or len(os.sched_getaffinity(0)), len(pending))
-    args = (cfg.data, cfg.run.seed, run_dir, digest)
-    with tqdm(total=len(tasks), initial=len(tasks) - len(pending), desc="prepare", unit="task", leave=False) as bar:
-        if processes <= 1:
-            for i in pending:
-                results[i] = prepare_task(tasks[i], *args, encoder)
-                bar.update()
-            return results
-        context = multiprocessing.get_context("spawn")
-        lines = context.Value("i", 1)  # each worker's terminal line for its bars (this process': 1)
-        queue, running = list(pending), {}
-        pool = ProcessPoolExecutor(processes - 1, mp_context=context, initializer=_keep, initargs=(encoder, lines))
-        with _one_thread_tokenizers(), pool:
-            # This process prepares tasks too: it is warm (imports done, processor loaded) while a
-            # worker takes seconds to start, a tenth of a 100 k-row mixture's prepare on 2 cores.
-            try:
-                while queue or running:
-                    for future in [f for f in running if f.done()]:
-                        results[running.pop(future)] = future.result()
-                        bar.update()
-                    while queue and len(running) < processes - 1:
-                        i = queue.pop(0)
-                        running[pool.submit(_prepare_in_worker, tasks[i], *args)] = i
-                    if queue:
-                        i = queue.pop(0)
-                        results[i] = prepare_task(tasks[i], *args, encoder)
-                        bar.update()
-                    elif running:
-                        wait(running, return_when=FIRST_COMPLETED)
-            except BaseException:
+    queue = [i for i, result in enumerate(results) if result is None]
+    workers = min(cfg.data.prepare_processes or len(os.sched_getaffinity(0)), len(queue)) - 1
+    args, start, running, pool = (cfg.data, cfg.run.seed, run_dir, digest), time.perf_counter(), {}, None
+    bar = tqdm(total=len(tasks), initial=len(tasks) - len(queue), desc="prepare", unit="task", leave=False)
+    with bar, contextlib.ExitStack() as stack:
+        try:
+            while queue or running:
+                for future in [f for f in running if f.done()]:
+                    results[running.pop(future)] = future.result()
+                    bar.update()
+                if pool is None and workers > 0 and queue and time.perf_counter() - start >= SPAWN_AFTER_S:
+                    pool = stack.enter_context(_workers(workers, encoder))
+                while pool is not None and queue and len(running) < workers:
+                    i = queue.pop(0)
+                    running[pool.submit(_prepare_in_worker, tasks[i], *args)] = i
+                if queue:
+                    i = queue.pop(0)
+                    results[i] = prepare_task(tasks[i], *args, encoder)
+                    bar.update()
+                elif running:
+                    wait(running, return_when=FIRST_COMPLETED)
+        except BaseException:
+            if pool is not None:
                 pool.shutdown(cancel_futures=True)  # the tasks under way finish: their records are kept
-                raise
+            raise
     return results
+
+
+@contextlib.contextmanager
+def _workers(count: int, encoder: Encoder) -> Iterator[ProcessPoolExecutor]:
+    """``count`` spawned processes holding the encoder, tokenizers one thread each (as this one's)."""
+    context = multiprocessing.get_context("spawn")
+    lines = context.Value("i", 1)  # each worker's terminal line for its bars (this process': 1)
+    pool = ProcessPoolExecutor(count, mp_context=context, initializer=_keep, initargs=(encoder, lines))
+    with _one_thread_tokenizers(), pool:
+        yield pool
 
 
 @contextlib.contextmanager
