@@ -417,6 +417,19 @@ class MergeSection(Section):
             low = {name: r[0] for name, r in self.search.params.items()}
             method.validate(entry.params | low)  # the range's ends must be valid values
             method.validate(entry.params | {name: r[1] for name, r in self.search.params.items()})
+            given = method.validate(entry.params)
+            for name, (low, high) in self.search.params.items():
+                value = getattr(given, name)
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(
+                        f"merge.search.params.{name}: merge '{entry.name}' gives {name} = {value!r}; a search "
+                        f"varies one number from the merge's own: set its params.{name} inside [{low}, {high}]"
+                    )
+                if not low <= value <= high:  # trial 0 is the merge as configured, never a clamped one
+                    raise ValueError(
+                        f"merge.search.params.{name}: merge '{entry.name}' has {name} = {value}, outside "
+                        f"[{low}, {high}]; widen the range or set its params.{name} inside it"
+                    )
         return self
 
 

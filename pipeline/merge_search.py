@@ -9,10 +9,13 @@ group's tasks included). A dev task that gets no score (a judge that fails) fail
 the command, naming it: it never turns into a score. Trial 0 is the merge as the config gives it (MERIT's n_k weights
 for ``weighting: tokens``), so the chosen merge is never worse on the dev split than n_k. The
 study is an SQLite file in ``search/<merge>/``: a search killed mid-trial resumes where it
-stopped (the interrupted trial is marked failed and another run in its place), and a finished one
-is not rerun. ``merge.search.parallel`` workers run trials at once on one study (the merit
-flow's tasks; each worker its own GPU when there are, its own sampler seed); one search runs at
-a time.
+stopped (the interrupted trial is marked failed and another run in its place, its merge or staging
+folder and its dev jobs' folders removed), its sampler seeded by the trials the study holds so that
+it proposes new points, and a finished one is not rerun. A study is tied to its space (the method,
+its fixed parameters, the branches, the ranges): a search over another is refused, not mixed in.
+A method's integer parameter is searched over integers. ``merge.search.parallel`` workers run
+trials at once on one study (the merit flow's tasks; each worker its own GPU when there are, its
+own sampler seed); one search runs at a time.
 
 Cost per trial: one merge (θ0 and the K branches read once, one checkpoint written), one load of
 the merged model, a forward pass over the dev examples. At 7B with K = 8 full branches that is
@@ -22,8 +25,11 @@ against the branches' GPU-days.
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +40,7 @@ from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_conf
 from pipeline.eval.heldout import Heldout, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
-from pipeline.merging import branch_finals, entry_spec, find_entry, group_tokens
+from pipeline.merging import branch_finals, branch_fisher, entry_spec, find_entry, group_tokens, needs_fisher
 from pipeline.models import load_model, load_processor
 from pipeline.threads import threads_per_process
 
@@ -92,36 +98,60 @@ class Search:
         self.entry: MergeEntry = find_entry(cfg, cfg.merge.search.merge)
         self.finals = branch_finals(run_dir)
         self.tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in self.finals])
+        self.fishers = (
+            [branch_fisher(cfg, run_dir, k) for k in range(len(self.finals))] if needs_fisher(self.entry) else None
+        )
         self.folder = search_dir(run_dir, self.entry.name)
         self.folder.mkdir(parents=True, exist_ok=True)
         search = cfg.merge.search
         self.dev = None if search.tasks else dev_split(cfg, run_dir)
         self.metric = f"mean score of {', '.join(search.tasks)}" if search.tasks else "held-out loss"
         self.storage = storage = optuna.storages.RDBStorage(f"sqlite:///{self.folder / STUDY}")
-        seed = cfg.run.seed + worker  # workers of one study must not propose the same points
-        sampler = (
-            optuna.samplers.CmaEsSampler(seed=seed)
-            if search.sampler == "cmaes"
-            else optuna.samplers.TPESampler(seed=seed)
-        )
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         direction = "maximize" if search.tasks else "minimize"
         self.study = optuna.create_study(
-            study_name=self.entry.name, storage=storage, sampler=sampler, direction=direction, load_if_exists=True
+            study_name=self.entry.name, storage=storage, direction=direction, load_if_exists=True
         )
         if self.study.direction.name.lower() != direction:
             raise ValueError(
                 f"{self.folder / STUDY}: this study was {self.study.direction.name.lower()}d; merge.search now "
                 f"{direction}s ({self.metric}): move the folder away to start another search"
             )
+        self._check_space()
+        # Seeded by the trials the study holds: a resumed search re-seeded as it began would propose
+        # its first points again (TPE's first ten are random draws); workers each their own stream.
+        seed = zlib.crc32(repr((cfg.run.seed, worker, len(self.study.trials))).encode())
+        samplers = {"cmaes": optuna.samplers.CmaEsSampler, "tpe": optuna.samplers.TPESampler}
+        self.study.sampler = samplers[search.sampler](seed=seed)
+
+    def space(self) -> dict[str, Any]:
+        """What the study's trials are points of: the merge, its branches and the ranges searched."""
+        entry = self.entry
+        ranges = {name: list(r) for name, r in self.cfg.merge.search.params.items()}
+        return {"method": entry.method, "params": entry.params, "branches": len(self.finals), "ranges": ranges}
+
+    def _check_space(self) -> None:
+        """A study's trials are points of one space: a resumed search over another (other ranges, a
+        parameter more, other branches) is refused rather than mixed with them."""
+        space, before = json.loads(json.dumps(self.space())), self.study.user_attrs.get("space")
+        if before is None:
+            self.study.set_user_attr("space", space)
+        elif before != space:
+            changed = sorted(k for k in space if before.get(k) != space[k])
+            raise ValueError(
+                f"{self.folder / STUDY}: this study searched another space ({', '.join(changed)}: "
+                f"{[before.get(k) for k in changed]}, now {[space[k] for k in changed]}); "
+                "move the folder away to start another search"
+            )
 
     def given(self) -> dict[str, float]:
-        """Trial 0: the merge as configured (weights normalised; the method's own parameter values)."""
+        """Trial 0: the merge as configured (weights normalised; the method's own parameter values,
+        inside their ranges: the config refuses one outside)."""
         raw = self.tokens if self.entry.weighting == "tokens" else [1.0] * len(self.finals)
         point = {f"w{k}": w / max(raw) for k, w in enumerate(raw)}
         params = get_method(self.entry.method).validate(self.entry.params) if self.entry.method else None
-        for name, (low, high) in self.cfg.merge.search.params.items():
-            point[name] = min(max(float(getattr(params, name)), low), high)
+        for name in self.cfg.merge.search.params:
+            point[name] = getattr(params, name)
         return point
 
     def spec(self, point: dict[str, float], out: Path):
@@ -129,7 +159,8 @@ class Search:
         entry = self.entry.model_copy(update={"weighting": "equal"})
         if self.cfg.merge.search.params:
             entry = entry.model_copy(update={"params": self.entry.params | self.params(point)})
-        spec = entry_spec(self.cfg, entry, init_path(self.cfg, self.run_dir), self.finals, self.tokens, out)
+        base = init_path(self.cfg, self.run_dir)
+        spec = entry_spec(self.cfg, entry, base, self.finals, self.tokens, out, self.fishers)
         weights = self.weights(point)
         models = [m.model_copy(update={"weight": w}) for m, w in zip(spec.models, weights)]
         return spec.model_copy(update={"models": models})
@@ -144,16 +175,27 @@ class Search:
 
     def objective(self, trial) -> float:
         point = {f"w{k}": trial.suggest_float(f"w{k}", 0.0, 1.0) for k in range(len(self.finals))}
+        fields = get_method(self.entry.method).params.model_fields if self.entry.method else {}
         for name, (low, high) in self.cfg.merge.search.params.items():
-            point[name] = trial.suggest_float(name, low, high)
+            if fields[name].annotation is int:  # an iteration count stays a whole number
+                point[name] = trial.suggest_int(name, math.ceil(low), math.floor(high))
+            else:
+                point[name] = trial.suggest_float(name, low, high)
         out, device = self.folder / f"{TRIAL}{trial.number}", worker_device(self.cfg, self.worker)
+        jobs = self.run_dir / "eval" / "benchmarks" / f"{self.jobs}{trial.number}"
         merge_checkpoints(self.spec(point, out), progress=False)
         try:
             if self.dev is None:
-                return dev_score(self.cfg, self.run_dir, out, f"search-{self.entry.name}-trial-{trial.number}", device)
+                return dev_score(self.cfg, self.run_dir, out, jobs.name, device)
             return dev_loss(self.cfg, out, self.dev, f"trial {trial.number}", device)
         finally:
             shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(jobs, ignore_errors=True)  # its dev tasks' lmms-eval folders: its value is in the study
+
+    @property
+    def jobs(self) -> str:
+        """The prefix of a trial's lmms-eval job folders under ``eval/benchmarks/``."""
+        return f"search-{self.entry.name}-trial-"
 
     def dev_size(self) -> str:
         """The dev split in words: how many examples of what."""
@@ -174,7 +216,10 @@ class Search:
         for trial in self.study.trials:
             if trial.state == optuna.trial.TrialState.RUNNING:
                 self.storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
-        for left in self.folder.glob(f"{TRIAL}*"):
+        # What killed trials left: their merges (whole, or a staging folder the merge was writing),
+        # and their dev tasks' job folders.
+        leftovers = [*self.folder.glob(f"{TRIAL}*"), *self.folder.glob(f".{TRIAL}*")]
+        for left in leftovers + list((self.run_dir / "eval" / "benchmarks").glob(f"{self.jobs}*")):
             shutil.rmtree(left)
         done = [t for t in self.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         waiting = [t for t in self.study.trials if t.state == optuna.trial.TrialState.WAITING]

@@ -97,7 +97,8 @@ def test_rules_per_group_sharded_output_and_bf16(branches, tmp_path):
         assert (out / shard).stat().st_size < 150_000 + 8192  # one tensor never exceeds the limit here
     merged = disk_tensors(out)
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
-    model = AutoModelForImageTextToText.from_pretrained(out)
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype="auto")  # in the dtype its config names
+    assert model.dtype == torch.bfloat16 and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     verify_checkpoint(out)
 

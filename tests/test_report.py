@@ -444,3 +444,21 @@ def test_a_per_source_table_of_many_sources_is_folded_under_its_plot():
     many = folded(table(176), "sources")
     assert many.startswith("<details><summary>All 176 sources</summary>") and many.endswith("</details>")
     assert markdown_table(**table(176)) in many
+
+
+def test_the_verdict_never_counts_a_merge_whose_weights_were_searched_on_the_held_out_loss():
+    from pipeline.report.quality import verdict
+
+    rows = [
+        {"model": "joint", "split": "—", "loss": 1.0},
+        {"model": "merged-avg", "merge": "avg", "split": "MERIT-2", "loss": 1.2},
+        {"model": "merged-avg-tuned", "merge": "avg-tuned", "split": "MERIT-2", "loss": 0.9},
+        {"model": "merged-avg", "merge": "avg", "split": "Random-2", "loss": 1.3},
+    ]
+    said = verdict(rows, ["MERIT-2", "Random-2"])
+    assert said == (
+        "MERIT-2 beats Random-2 by held-out loss for 1 of 1 merges; beats the joint baseline for 0 of 1 "
+        "(the merge whose weights were searched on these held-out examples not counted)."
+    )
+    # Searched on dev tasks, its held-out loss is no search's objective: counted.
+    assert "for 1 of 2" in verdict(rows, ["MERIT-2", "Random-2"], searched=False)

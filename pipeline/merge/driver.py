@@ -217,7 +217,9 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
             spec.max_shard_size,
             progress="merge" if progress else None,
         )
-        copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config: their dtype
+        copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config and processor files
+        if spec.out_dtype:
+            _name_dtype(tmp, spec.out_dtype)
         if run.untied:
             _untie(tmp)
         report.tensors, report.bytes_written = len(run.plan), written.bytes_written
@@ -387,6 +389,22 @@ def _own_lm_head(reader: Any) -> bool:
     if isinstance(reader, AdapterReader):
         return reader.unties
     return LM_HEAD in reader.info and not embeddings_tied(reader.config())
+
+
+def _name_dtype(folder: Path, dtype: str) -> None:
+    """The output's config.json naming the dtype its tensors are written in, not the branches': what
+    transformers loads the model in with ``dtype="auto"`` (every sub-config's too)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+
+    def named(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        keys = ("dtype", "torch_dtype")
+        return {k: dtype if k in keys and isinstance(v, str) else named(v) for k, v in node.items()}
+
+    path.write_text(json.dumps(named(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
 
 
 def _untie(folder: Path) -> None:

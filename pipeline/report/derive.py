@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import RunConfig
 from pipeline.data.manifest import active_sources
-from pipeline.layout import SEARCH, SEARCH_PLOT
+from pipeline.layout import SEARCH, SEARCH_PLOT, tuned_name
 from pipeline.report.benchmarks import benchmark_section
 from pipeline.report.branches import branch_rows, budget, budget_and_weights, merge_weights
 from pipeline.report.collect import Evaluation, Merge, RunRecords, Training
@@ -82,7 +83,7 @@ def derive(records: RunRecords) -> Derived:
         "budget": budget(cfg) if branches else {},
         "split": split,
         "costs": costs(records.calibration.summary, branches, merge_facts(records.merges), records.hashed),
-        "headline": headline(models),
+        "headline": headline(models, searched_on_heldout(cfg)),
     }
     report = {k: v for k, v in report.items() if v}
 
@@ -212,13 +213,22 @@ def costs(
     return found
 
 
-def headline(models: list[dict[str, Any]]) -> dict[str, Any]:
-    """The best merged model against the joint baseline and θ0; empty without a merged model."""
-    merged = [m for m in models if m["kind"] == "merged"]
+def searched_on_heldout(cfg: RunConfig) -> str | None:
+    """The model whose merge weights ``merge.search`` chose by held-out loss (None: none, or chosen on
+    dev tasks): its held-out figures measure the search's own objective, so no verdict rests on them."""
+    return tuned_name(cfg) if cfg.merge.search.enabled and not cfg.merge.search.tasks else None
+
+
+def headline(models: list[dict[str, Any]], searched: str | None = None) -> dict[str, Any]:
+    """The best merged model against the joint baseline and θ0, never ``searched`` (named beside it);
+    empty without a merged model."""
+    merged = [m for m in models if m["kind"] == "merged" and m["name"] != searched]
     if not merged:
         return {}
     best = min(merged, key=lambda m: m["loss"])
     found: dict[str, Any] = {"model": best["name"], "loss": best["loss"]}
+    if tuned := next((m for m in models if m["name"] == searched), None):
+        found["searched"] = {"model": searched, "loss": tuned["loss"]}
     for ref in (m for name in ("joint", "theta0") for m in models if m["name"] == name):
         delta = best["loss"] - ref["loss"]
         found[f"vs_{ref['name']}"] = {"loss": ref["loss"], "delta": delta, "relative_pct": 100 * delta / ref["loss"]}

@@ -60,7 +60,7 @@ def quality_section(
     return {
         "rows": rows,
         "table": _table(rows),
-        "verdict": verdict(rows, list(splits)),
+        "verdict": verdict(rows, list(splits), searched=not cfg.merge.search.tasks),
         "differences": _differences(rows, list(splits)),
         "barriers": barriers,
     }
@@ -121,9 +121,12 @@ def _delta(a: dict[str, Any], b: dict[str, Any]) -> str:
     return ", ".join(text)
 
 
-def verdict(rows: list[dict[str, Any]], splits: list[str]) -> str:
-    """The headline sentence: how often MERIT's split beats each control and the joint baseline."""
-    merges = [r for r in rows if "merge" in r and r["split"] == splits[0]]
+def verdict(rows: list[dict[str, Any]], splits: list[str], searched: bool = True) -> str:
+    """The headline sentence: how often MERIT's split beats each control and the joint baseline.
+    A merge whose weights were searched by held-out loss (``searched``) is not counted: the losses
+    compared here are that search's own objective."""
+    tuned = [r for r in rows if searched and r.get("merge", "").endswith("-tuned")]
+    merges = [r for r in rows if "merge" in r and r["split"] == splits[0] and r not in tuned]
     if not merges:
         return ""
     words = []
@@ -137,4 +140,6 @@ def verdict(rows: list[dict[str, Any]], splits: list[str]) -> str:
     if joint:
         wins = sum(m["loss"] < joint["loss"] for m in merges)
         words.append(f"beats the joint baseline for {wins} of {len(merges)}")
+    if words and tuned:
+        words[-1] += " (the merge whose weights were searched on these held-out examples not counted)"
     return f"{splits[0]} " + "; ".join(words) + "." if words else ""

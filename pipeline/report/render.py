@@ -141,7 +141,13 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             "Headline",
             f"Best merged model **{head['model']}**: held-out loss **{head['loss']:.4f}**; "
             + ("; ".join(against) or "no joint baseline or θ0 evaluated")
-            + ".",
+            + "."
+            + (
+                f" {searched['model']} ({searched['loss']:.4f}) is not compared: merge.search chose its weights "
+                "by held-out loss on these sources' held-out examples."
+                if (searched := head.get("searched"))
+                else ""
+            ),
         )
     if quality := report.get("quality"):
         barriers = ", ".join(f"{split} {b:.4f}" for split, b in quality["barriers"].items())
