@@ -94,22 +94,23 @@ def test_a_prepare_stopped_halfway_prepares_only_the_tasks_it_had_not_finished(t
     assert prepared == ["c"] and {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
-def test_prepare_in_processes_writes_what_one_process_writes(tmp_path, processor, monkeypatch):
+def test_prepare_in_processes_writes_what_one_process_writes(tmp_path, processor):
     """Tasks prepared side by side in spawned processes: the same manifest and the same rows."""
-    monkeypatch.setattr(prepare_module, "SPAWN_AFTER_S", 0)  # a worker at once, small as the corpus is
-    serial = prepare_data(small_config(THREE_ENTRIES), tmp_path / "one", processor)
-    parallel = prepare_data(small_config(THREE_ENTRIES, "data.prepare_processes=2"), tmp_path / "two", processor)
+    from conftest import llava_record, write_json
+
+    records = [llava_record(None, str(i)) for i in range(5)]
+    entries = [f"{{name: f{k}, format: llava, path: {write_json(tmp_path / f'f{k}.json', records)}}}" for k in range(3)]
+    both = f"data.sources=[{', '.join(entries)}, {{name: b, format: builtin, tasks: [caption]}}]"
+    serial = prepare_data(small_config(both), tmp_path / "one", processor)
+    parallel = prepare_data(small_config(both, "data.prepare_processes=2"), tmp_path / "two", processor)
     assert parallel == serial
     for name in serial["sources"]:
-        one, two = (
-            load_split(small_config(THREE_ENTRIES), tmp_path / run, "train", [name])[name] for run in ("one", "two")
-        )
+        one, two = (load_split(small_config(both), tmp_path / run, "train", [name])[name] for run in ("one", "two"))
         assert [ex.messages for ex in one] == [ex.messages for ex in two]
         assert all(torch.equal(a.token_ids, b.token_ids) for a, b in zip(one, two, strict=True))
 
 
-def test_a_bad_record_met_in_a_worker_stops_prepare_named_as_in_one_process(tmp_path, processor, monkeypatch):
-    monkeypatch.setattr(prepare_module, "SPAWN_AFTER_S", 0)
+def test_a_bad_record_met_in_a_worker_stops_prepare_named_as_in_one_process(tmp_path, processor):
     from conftest import llava_record, write_json
 
     path = write_json(tmp_path / "bad.json", [llava_record(None, "1"), {"conversations": "nope"}])

@@ -26,7 +26,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -47,7 +46,6 @@ from pipeline.data.sources import EVAL_ROLES, Policy, Task, no_examples, no_sour
 from pipeline.data.store import STORE_DIR, SourceStore, StoredExamples, StoreWriter, store_folder
 
 TASKS_DIR = STORE_DIR / "tasks"
-SPAWN_AFTER_S = 2.0  # this process' work before workers start (each takes ~5 s to import and load)
 ENCODE_BATCH = 32
 SKIPPED_SHOWN = 5  # reasons kept per source in the manifest; the count is always exact
 LISTS = ("data.sources", "warmup.sources", "eval.sources")
@@ -156,14 +154,16 @@ def _run_tasks(
     tasks: list[Task], cfg: RunConfig, run_dir: Path, encoder: Encoder, digest: str, force: bool
 ) -> list[dict[str, Any]]:
     """Every task's result: from the record of a prepare that finished it before, else prepared
-    here, this process taking one task after another and, once it has worked ``SPAWN_AFTER_S``
-    with tasks left, workers beside it, up to ``data.prepare_processes`` processes in all. Workers
-    are spawned (the stage may run in a threaded flow, where a fork could copy a lock held by
-    another thread) and take seconds to start: a small corpus is prepared before one would be up."""
+    here, this process taking one task after another and workers beside it, up to
+    ``data.prepare_processes`` processes in all. Workers are spawned (the stage may run in a
+    threaded flow, where a fork could copy a lock held by another thread) and take seconds to start
+    (imports, the processor): none starts for built-in tasks alone, generated in a second or two."""
     results = [None if force else _prepared_before(run_dir, task, digest) for task in tasks]
     queue = [i for i, result in enumerate(results) if result is None]
     workers = min(cfg.data.prepare_processes or len(os.sched_getaffinity(0)), len(queue)) - 1
-    args, start, running, pool = (cfg.data, cfg.run.seed, run_dir, digest), time.perf_counter(), {}, None
+    if all(tasks[i].spec.format == "builtin" for i in queue):
+        workers = 0
+    args, running, pool = (cfg.data, cfg.run.seed, run_dir, digest), {}, None
     bar = tqdm(total=len(tasks), initial=len(tasks) - len(queue), desc="prepare", unit="task", leave=False)
     with bar, contextlib.ExitStack() as stack:
         try:
@@ -171,7 +171,7 @@ def _run_tasks(
                 for future in [f for f in running if f.done()]:
                     results[running.pop(future)] = future.result()
                     bar.update()
-                if pool is None and workers > 0 and queue and time.perf_counter() - start >= SPAWN_AFTER_S:
+                if pool is None and workers > 0:
                     pool = stack.enter_context(_workers(workers, encoder))
                 while pool is not None and queue and len(running) < workers:
                     i = queue.pop(0)
