@@ -35,10 +35,12 @@ def preflight(run_dir: str, diloco: bool = False) -> dict[str, str]:
 def prepare(run_dir: str) -> dict[str, int]:
     """Load, split and encode every source; returns train tokens per source."""
     from pipeline.data import active_sources, prepare_data
+    from pipeline.eval.heldout import refuse_short_dev_share
     from pipeline.models import processor_for
 
     cfg = run_config(run_dir)
     manifest = prepare_data(cfg, run_dir, processor_for(cfg, run_dir))
+    refuse_short_dev_share(cfg, run_dir)  # merge.search's dev split, known now: before anything trains
     return {name: info["train_tokens"] for name, info in active_sources(manifest).items()}
 
 

@@ -376,7 +376,8 @@ class MergeSearch(Section):
     sampler: Literal["tpe", "cmaes"] = "tpe"
     parallel: int = Field(1, ge=1)  # the merit flow's trials at once, each worker on a GPU of its own if any
     params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
-    max_examples_per_source: int = Field(32, ge=1)  # the dev split: the first held-out examples of each
+    # the dev split: the last held-out examples of each trained source, never scored by the report
+    max_examples_per_source: int = Field(32, ge=1)
     # Or lmms-eval tasks as the dev split (their mean score, maximised), never eval.benchmarks':
     tasks: list[str] = []
     limit: int | None = Field(None, ge=1)  # examples per dev task (lmms-eval --limit)

@@ -1,8 +1,10 @@
 """``merit tune-merge``: a merge's branch weights, and ranges of its method's parameters, searched
 by Optuna (TPE or CMA-ES), each trial a streamed merge of the run's branches scored on a dev split.
 
-The dev split is the first ``merge.search.max_examples_per_source`` held-out examples of each
-trained source, scored by their token-weighted loss (minimised), or the lmms-eval tasks of
+The dev split is the last ``merge.search.max_examples_per_source`` held-out examples of each
+trained source, which the report never scores (with ``merge.search.enabled``, evaluation leaves
+them out; a search on held-out loss refuses to run without it), scored by their token-weighted
+loss (minimised), or the lmms-eval tasks of
 ``merge.search.tasks`` (``limit`` examples each), scored by their mean score (maximised): never
 the report's benchmarks, which no trial sees (the config and ``merit check`` refuse an overlap, a
 group's tasks included). A dev task that gets no score (a judge that fails) fails the trial and
@@ -37,7 +39,7 @@ from pipeline.checkpoint import is_complete, read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.devices import eval_device, usable_gpus
 from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_config
-from pipeline.eval.heldout import Heldout, score_model, source_roles, summarise
+from pipeline.eval.heldout import Heldout, dev_share, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
 from pipeline.merge import get_method, merge_checkpoints
 from pipeline.merging import branch_finals, branch_fisher, entry_spec, find_entry, group_tokens, needs_fisher
@@ -49,10 +51,14 @@ TRIAL = "trial-"  # trial-<number>/: a trial's merge while it is scored
 
 
 def dev_split(cfg: RunConfig, run_dir: str | Path) -> Heldout:
-    """The first examples of each trained source's held-out split."""
-    heldout = Heldout.load(cfg, run_dir, source_roles(run_dir)).trained()
-    limit = cfg.merge.search.max_examples_per_source
-    return Heldout({src: items[:limit] for src, items in heldout.examples.items()}, heldout.roles)
+    """The last ``merge.search.max_examples_per_source`` examples of each trained source's held-out
+    split, which the report never scores (evaluation leaves them out while the search is enabled)."""
+    if not dev_share(cfg):
+        raise ValueError(
+            "merge.search on held-out loss needs merge.search.enabled: true, with which the report's held-out "
+            "figures leave out the examples the search is scored on; or search on merge.search.tasks"
+        )
+    return Heldout.load(cfg, run_dir, source_roles(run_dir), part="dev")
 
 
 def worker_device(cfg: RunConfig, worker: int) -> str:

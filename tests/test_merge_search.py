@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from merit.cli import main as merit
 from pipeline.checkpoint import save_pretrained_checkpoint, verify_checkpoint
 from pipeline.config import ConfigError, load_config
-from pipeline.data import active_sources, read_manifest
+from pipeline.data import active_sources, load_split, read_manifest
 from pipeline.eval import evaluate_model
 from pipeline.layout import (
     SEARCH_PLOT,
@@ -67,12 +67,14 @@ def branches(tmp_path_factory):
 
 
 def search_args(run, *settings):
+    """A search on held-out loss needs merge.search.enabled (the report then leaves its dev split out)."""
+    settings = ("merge.search.enabled=true", *settings)
     return ["tune-merge", "--run-dir", str(run), *[a for s in settings for a in ("--set", s)]]
 
 
 def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branches, capsys):
     run = branches
-    settings = ["merge.search.trials=4", "merge.search.max_examples_per_source=2"]
+    settings = ["merge.search.trials=4", "merge.search.max_examples_per_source=1"]
     assert merit(search_args(run, *settings)) == 0
     assert "dev: held-out loss" in capsys.readouterr().out
     folder = search_dir(run, "token_average")
@@ -96,7 +98,7 @@ def test_the_search_starts_at_the_given_weights_keeps_the_best_and_resumes(branc
     first = [t.params for t in study.trials]
     assert merit(search_args(run, *settings)) == 0
     assert len(optuna.load_study(study_name="token_average", storage=f"sqlite:///{folder / STUDY}").trials) == 4
-    assert merit(search_args(run, "merge.search.trials=6", "merge.search.max_examples_per_source=2")) == 0
+    assert merit(search_args(run, "merge.search.trials=6", "merge.search.max_examples_per_source=1")) == 0
     study = optuna.load_study(study_name="token_average", storage=f"sqlite:///{folder / STUDY}")
     assert len(study.trials) == 6 and [t.params for t in study.trials[:4]] == first
     points = [tuple(sorted(t.params.items())) for t in study.trials]
@@ -110,7 +112,7 @@ def test_a_method_parameter_is_searched_within_its_range(branches):
         "merge.search.merge=ties",
         "merge.search.params={density: [0.2, 0.8]}",
         "merge.search.trials=3",
-        "merge.search.max_examples_per_source=2",
+        "merge.search.max_examples_per_source=1",
         "merge.search.sampler=cmaes",
     ]
     assert merit(search_args(run, *settings)) == 0
@@ -130,7 +132,7 @@ def test_an_integer_parameter_is_searched_over_integers_from_the_merge_as_given(
         "merge.search.merge=karcher",
         "merge.search.params={max_iter: [1, 6]}",
         "merge.search.trials=3",
-        "merge.search.max_examples_per_source=2",
+        "merge.search.max_examples_per_source=1",
     ]
     assert merit(search_args(run, *settings)) == 0
     trials = json.loads((search_dir(run, "karcher") / SEARCH_RESULT).read_text())["trials"]
@@ -141,7 +143,7 @@ def test_an_integer_parameter_is_searched_over_integers_from_the_merge_as_given(
 def test_a_fisher_merge_is_searched_with_its_branches_fisher(branches):
     run = branches
     settings = ["merge.methods=[{name: fish, method: fisher}]", "merge.search.merge=fish", "merge.search.params={}"]
-    settings += ["merge.search.trials=2", "merge.search.max_examples_per_source=2", "merge.fisher_examples=2"]
+    settings += ["merge.search.trials=2", "merge.search.max_examples_per_source=1", "merge.fisher_examples=2"]
     assert merit(search_args(run, *settings)) == 0
     assert len(json.loads((search_dir(run, "fish") / SEARCH_RESULT).read_text())["trials"]) == 2
     assert all((branch_dir(run, k) / "fisher").is_dir() for k in range(2))
@@ -181,7 +183,7 @@ def test_a_search_killed_mid_trial_resumes_and_fails_that_trial(branches, tmp_pa
         "merge.search.merge=avg2",
         "merge.search.params={}",
     ]
-    settings += ["merge.search.trials=3", "merge.search.max_examples_per_source=2"]
+    settings += ["merge.search.trials=3", "merge.search.max_examples_per_source=1"]
     folder = search_dir(run, "avg2")
     command = [sys.executable, "-m", "merit", *search_args(run, *settings)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -217,7 +219,7 @@ def test_the_chosen_merge_is_a_model_of_the_run_and_the_report_shows_the_search(
     run = branches
     settings = ["merge.methods=[{name: token_average, method: weighted_average}]", "merge.search.merge=token_average"]
     settings += ["merge.search.params={}", "merge.search.enabled=true", "merge.search.trials=2"]
-    assert merit(search_args(run, *settings, "merge.search.max_examples_per_source=2")) == 0
+    assert merit(search_args(run, *settings, "merge.search.max_examples_per_source=1")) == 0
     cfg, _ = run_config(None, [], run)
     merge_run(cfg, run, "token_average")
     models = run_models(cfg, run)
@@ -235,6 +237,30 @@ def test_the_chosen_merge_is_a_model_of_the_run_and_the_report_shows_the_search(
     assert f"{tuned} (" in (run / "report" / "report.md").read_text()
     assert f"../search/token_average/{SEARCH_PLOT}" in report["plots"]
     assert "## Merge weight search" in (run / "report" / "report.md").read_text()
+
+
+def test_the_dev_split_is_held_out_examples_the_report_never_scores(branches):
+    from pipeline.eval.heldout import Heldout, refuse_short_dev_share, source_roles
+    from pipeline.merge_search import dev_split
+
+    run = branches
+    cfg, _ = run_config(None, ["merge.search.enabled=true", "merge.search.max_examples_per_source=1"], run)
+    roles = source_roles(run)
+    report, dev = Heldout.load(cfg, run, roles), dev_split(cfg, run)
+    trained = sorted(s for s, role in roles.items() if role == "trained")
+    assert sorted(dev.examples) == trained and all(len(items) == 1 for items in dev.examples.values())
+    for source in trained:
+        whole = load_split(cfg, run, "heldout", [source])[source]  # the report's part, then the dev split
+        assert [ex.index for ex in report.examples[source] + dev.examples[source]] == [ex.index for ex in whole]
+    off = cfg.merge.search.model_copy(update={"enabled": False})
+    plain = cfg.model_copy(update={"merge": cfg.merge.model_copy(update={"search": off})})  # the whole split
+    assert len(Heldout.load(plain, run, roles)) == len(report) + len(dev)
+    short, _ = run_config(None, ["merge.search.enabled=true", "merge.search.max_examples_per_source=2"], run)
+    for refused in (lambda: Heldout.load(short, run, roles), lambda: refuse_short_dev_share(short, run)):
+        with pytest.raises(ValueError, match=r"merge.search.max_examples_per_source = 2 of each are its dev split"):
+            refused()
+    with pytest.raises(ValueError, match="merge.search on held-out loss needs merge.search.enabled: true"):
+        dev_split(plain, run)
 
 
 def test_preflight_refuses_a_search_without_held_out_examples(tmp_path):
@@ -284,7 +310,7 @@ def test_the_flow_shares_the_trials_out_among_parallel_workers(branches, prefect
     run = branches
     settings = ["merge.methods=[{name: par, method: weighted_average}]", "merge.search.merge=par"]
     settings += ["merge.search.params={}", "merge.search.tasks=[]", "eval.benchmarks=[]", "merge.search.parallel=2"]
-    settings += ["merge.search.trials=5", "merge.search.max_examples_per_source=2"]
+    settings += ["merge.search.trials=5", "merge.search.max_examples_per_source=1", "merge.search.enabled=true"]
     cfg, _ = start_run(None, settings, run)  # saved: the tasks read the run's config
 
     @flow

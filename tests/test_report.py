@@ -458,7 +458,7 @@ def test_the_verdict_never_counts_a_merge_whose_weights_were_searched_on_the_hel
     said = verdict(rows, ["MERIT-2", "Random-2"])
     assert said == (
         "MERIT-2 beats Random-2 by held-out loss for 1 of 1 merges; beats the joint baseline for 0 of 1 "
-        "(the merge whose weights were searched on these held-out examples not counted)."
+        "(the merge whose weights were searched by held-out loss not counted)."
     )
     # Searched on dev tasks, its held-out loss is no search's objective: counted.
     assert "for 1 of 2" in verdict(rows, ["MERIT-2", "Random-2"], searched=False)

@@ -68,23 +68,58 @@ def eval_digest(cfg: RunConfig, roles: dict[str, str], fields: tuple[str, ...]) 
     the model section, the warm-up and eval sources), the sources' roles and the given eval
     settings; never batch size or device."""
     settings = cfg.eval.model_dump(mode="json", include=set(fields))
-    text = json.dumps([data_digest(cfg), roles, settings], sort_keys=True)
+    apart = [dev_share(cfg)] if dev_share(cfg) else []  # examples left to merge.search's dev split
+    text = json.dumps([data_digest(cfg), roles, settings, *apart], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def dev_share(cfg: RunConfig) -> int:
+    """Held-out examples of each trained source kept apart for ``merge.search`` (the last ones of its
+    split): its dev split, which the report never scores. None unless a search on held-out loss is
+    enabled."""
+    search = cfg.merge.search
+    return search.max_examples_per_source if search.enabled and not search.tasks else 0
+
+
+def refuse_short_dev_share(cfg: RunConfig, run_dir: str | Path, heldout: dict[str, int] | None = None) -> None:
+    """Refuse trained sources whose held-out split cannot give merge.search its dev share and the
+    report at least one example (``heldout``: their held-out counts; default: the data manifest's).
+    The merit flow asks right after ``prepare``, before anything trains."""
+    if heldout is None:
+        heldout = {n: len(i["heldout_indices"]) for n, i in active_sources(read_manifest(run_dir)).items()}
+    dev = dev_share(cfg)
+    if dev and (short := {src: n for src, n in heldout.items() if 0 < n <= dev}):
+        raise ValueError(
+            f"{run_dir}: held-out examples of trained sources {short}: merge.search.max_examples_per_source = "
+            f"{dev} of each are its dev split, which the report never scores, and the report needs one more: "
+            "lower it, or raise data.heldout_fraction"
+        )
 
 
 @dataclass
 class Heldout:
     """The held-out examples of every source that has some (up to the eval cap), by source, and
-    each source's eval role."""
+    each source's eval role: the report's part (``report``), or merge.search's dev split (``dev``,
+    the trained sources' last :func:`dev_share` examples, never in the report's part)."""
 
     examples: dict[str, list[Example]]
     roles: dict[str, str]
 
     @classmethod
-    def load(cls, cfg: RunConfig, run_dir: str | Path, roles: dict[str, str]) -> Heldout:
-        limit = cfg.eval.max_examples_per_source
+    def load(cls, cfg: RunConfig, run_dir: str | Path, roles: dict[str, str], part: str = "report") -> Heldout:
+        limit, dev = cfg.eval.max_examples_per_source, dev_share(cfg)
         split = load_split(cfg, run_dir, "heldout", list(roles))
-        examples = {src: list(items[:limit]) for src, items in split.items() if items}  # read from the store once
+        refuse_short_dev_share(
+            cfg, run_dir, {src: len(items) for src, items in split.items() if roles[src] == "trained"}
+        )
+        examples = {}
+        for src, items in split.items():
+            apart = dev if roles[src] == "trained" else 0
+            mine = items[len(items) - apart :] if part == "dev" else items[: len(items) - apart][:limit]
+            if len(mine):
+                examples[src] = list(mine)  # read from the store once
+        if part == "dev":
+            return cls(examples, {src: roles[src] for src in examples})
         if not any(roles[src] == "trained" for src in examples):
             raise ValueError(
                 f"{run_dir}: no held-out examples of the fine-tuning sources to evaluate on "

@@ -141,5 +141,5 @@ def verdict(rows: list[dict[str, Any]], splits: list[str], searched: bool = True
         wins = sum(m["loss"] < joint["loss"] for m in merges)
         words.append(f"beats the joint baseline for {wins} of {len(merges)}")
     if words and tuned:
-        words[-1] += " (the merge whose weights were searched on these held-out examples not counted)"
+        words[-1] += " (the merge whose weights were searched by held-out loss not counted)"
     return f"{splits[0]} " + "; ".join(words) + "." if words else ""

@@ -144,7 +144,7 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             + "."
             + (
                 f" {searched['model']} ({searched['loss']:.4f}) is not compared: merge.search chose its weights "
-                "by held-out loss on these sources' held-out examples."
+                "by the same measure, on other held-out examples of these sources (its dev split)."
                 if (searched := head.get("searched"))
                 else ""
             ),
@@ -178,9 +178,14 @@ def markdown(report: dict[str, Any], own: list[str], others: list[str]) -> str:
             f"apart from the benchmarks: {search['metric']} ({search['dev']}). "
             f"Given weights ({', '.join(f'{w:.3f}' for w in given['weights'])}): {given['value']:.4f}; "
             f"chosen, trial {best['trial']} ({chosen}{'; ' + params if params else ''}): "
-            f"{best['value']:.4f}. The chosen merge is scored above as the merge with its weights searched; "
-            "its held-out figures are not independent of the search (its benchmark scores are); the search's "
-            "plot is among the other plots.",
+            f"{best['value']:.4f}. The chosen merge is scored above as the merge with its weights searched"
+            + (
+                ", on held-out examples apart from the search's dev split, chosen by that same measure, so no "
+                "verdict counts it; its benchmark scores are independent of the search; the search's "
+                if search["metric"] == "held-out loss"
+                else "; the search's "
+            )
+            + "plot is among the other plots.",
         )
     if problems := report.get("problems"):
         intro = "Checkpoints of this run that exist but do not verify (left out of the evaluation):"
