@@ -85,6 +85,10 @@ def test_unreadable_file_and_missing_file(tmp_path):
         load_sources(config(tmp_path / "bad.json").data, 0)
     with pytest.raises(DataError, match="file not found"):
         load_sources(config(tmp_path / "absent.json").data, 0)
+    with pytest.raises(DataError, match=r"absent\.json: source 'src': file not found"):  # so does prepare
+        prepare_data(
+            config(tmp_path / "absent.json"), tmp_path / "run", processor_for(config(tmp_path / "absent.json"))
+        )
 
 
 def test_an_example_longer_than_a_packed_micro_batch_is_refused_by_prepare_naming_it(tmp_path):

@@ -310,7 +310,10 @@ def _record(run_dir: Path, task: Task) -> Path:
     return run_dir / TASKS_DIR / f"{quote(f'{task.listed}:{task.label}', safe='')}.json"
 
 
-def _stat(path: Path) -> list[int]:
+def _stat(path: Path) -> list[int] | None:
+    """A file's size and modification time (None: it is not there; reading it names the file)."""
+    if not path.exists():
+        return None
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns]
 
@@ -347,7 +350,7 @@ def load_split(
     for name in wanted:
         info = known[name]
         for path, stat in info["inputs"].items():
-            if not Path(path).exists() or _stat(Path(path)) != stat:
+            if _stat(Path(path)) != stat:
                 raise DataError(
                     path, None, f"changed since `merit prepare` (source '{name}'); re-run `merit prepare --force`"
                 )
