@@ -224,13 +224,6 @@ def check_hub_source(spec: SourceSpec) -> int:
     return len(HubDataset.find(spec).wanted())
 
 
-def hub_records(spec: SourceSpec) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]], int]]:
-    """:func:`subset_records` of every subset the entry reads."""
-    data = HubDataset.find(spec)
-    for subset in data.wanted():
-        yield from subset_records(data, subset)
-
-
 def subset_records(data: HubDataset, subset: str) -> Iterator[tuple[str, RecordParser, Iterator[tuple[int, Any]], int]]:
     """``(source name, parser, records, their number)`` per source of one subset: records as the
     LLaVA and ShareGPT readers give them, ``(row, record)``, images as
