@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import subprocess
@@ -52,9 +53,11 @@ from pipeline.memory import AnonymousPeak, max_rss
 from pipeline.merge import CheckpointReader, MergeSpec, get_method, merge_checkpoints
 from pipeline.threads import available_cpus, set_threads
 
-# (hidden, intermediate, vocabulary): Qwen2.5-3B's hidden width, or a tiny one for start-up runs
-WIDE, TINY = (2048, 5632, 8192), (64, 176, 512)
-HEADS, KV_HEADS = 16, 2
+# (hidden, intermediate, vocabulary, heads, key-value heads): Qwen2.5-3B's widths, Qwen2.5-7B's (its MLP
+# matrices 3584 × 18944, 68 M entries), or a tiny one for start-up runs. The vocabulary is kept small: the
+# embedding is one tensor, read once, where the layers are what a merge spends its time on.
+WIDTHS = {"3b": (2048, 5632, 8192, 16, 2), "7b": (3584, 18944, 8192, 28, 4)}
+TINY = (64, 176, 512, 16, 2)
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,11 @@ DEFAULT_METHODS = ["weighted_average", "task_arithmetic", "ties", "dare"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def qwen2_config(size_mb: float, dtype: str) -> dict:
-    """A Qwen2 config (tied embeddings) with as many layers as ``size_mb`` holds: at 2048 wide,
-    or 64 wide under 16 MB."""
-    hidden, intermediate, vocab = WIDE if size_mb >= 16 else TINY
-    kv = hidden // HEADS * KV_HEADS
+def qwen2_config(size_mb: float, dtype: str, width: str = "3b") -> dict:
+    """A Qwen2 config (tied embeddings) with as many layers as ``size_mb`` holds (at least one): at
+    ``width``'s widths, or 64 wide under 16 MB."""
+    hidden, intermediate, vocab, heads, kv_heads = WIDTHS[width] if size_mb >= 16 else TINY
+    kv = hidden // heads * kv_heads
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + hidden + 2 * kv + 3 * hidden * intermediate + 2 * hidden
     budget = size_mb * 1e6 / DTYPES[dtype].itemsize - vocab * hidden - hidden
     return {
@@ -102,8 +105,8 @@ def qwen2_config(size_mb: float, dtype: str) -> dict:
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": max(1, math.ceil(budget / per_layer)),
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
@@ -114,7 +117,7 @@ def qwen2_config(size_mb: float, dtype: str) -> dict:
 
 def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-    kv = hidden // HEADS * KV_HEADS
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
@@ -137,9 +140,11 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def generate(folder: Path, k: int, size_mb: float, dtype: str = "bfloat16") -> tuple[Path, list[Path]]:
+def generate(
+    folder: Path, k: int, size_mb: float, dtype: str = "bfloat16", width: str = "3b"
+) -> tuple[Path, list[Path]]:
     """θ0 and K models near it (θ0 + 0.01 · noise), each a folder with its config.json."""
-    config = qwen2_config(size_mb, dtype)
+    config = qwen2_config(size_mb, dtype, width)
     g = torch.Generator().manual_seed(0)
     base = {n: torch.randn(s, generator=g).to(DTYPES[dtype]) for n, s in checkpoint_shapes(config).items()}
     paths = []
@@ -244,11 +249,12 @@ def timed_command(argv: list[str], repeats: int) -> float:
 
 
 def command_pair(
-    method: str, base: Path, models: list[Path], folder: Path, mergekit: str, dtype: str
+    method: str, base: Path, models: list[Path], folder: Path, mergekit: str, dtype: str, device: str = "cpu"
 ) -> tuple[list[str], list[str]]:
     """``merit merge`` and mergekit's command for the same merge (outputs under ``folder``)."""
     spec = folder / f"{method}.yaml"
-    spec.write_text(yaml.safe_dump(merge_spec(method, base, models, folder / f"ours-{method}").model_dump(mode="json")))
+    ours = merge_spec(method, base, models, folder / f"ours-{method}", device)
+    spec.write_text(yaml.safe_dump(ours.model_dump(mode="json")))
     shared = METHODS[method]
     entries = [
         {"model": str(p)} | ({} if shared.per_model is None else {"parameters": {"weight": 1.0, **shared.per_model}})
@@ -265,6 +271,16 @@ def command_pair(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="numbers of checkpoints")
     parser.add_argument("--size-mb", type=int, default=512, help="size of each generated checkpoint")
+    parser.add_argument(
+        "--width", choices=sorted(WIDTHS), default="3b", help="the layers' widths: Qwen2.5-3B's or 7B's"
+    )
+    parser.add_argument(
+        "--cache",
+        nargs="+",
+        choices=["warm", "cold"],
+        default=["warm"],
+        help="page-cache states of the inputs (cold: evicted before every measurement, as a fresh machine reads them)",
+    )
     parser.add_argument(
         "--methods", help=f"comma-separated methods (default: {','.join(DEFAULT_METHODS)}; known: {','.join(METHODS)})"
     )
@@ -292,32 +308,39 @@ def main(args: argparse.Namespace) -> None:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="merit-bench-merge-", dir=args.workdir))
     print(
-        f"checkpoints of {args.size_mb} MB ({args.dtype}), {available_cpus()} CPUs, torch threads "
+        f"checkpoints of {args.size_mb} MB ({args.dtype}, {args.width} widths), {available_cpus()} CPUs, torch threads "
         f"{set_threads()}, median of {args.repeats}" + (f", loaded: beside {load} busy processes" if load else "")
     )
     headers = ["K", "method", "seconds", "GB/s read", "% floor", "peak RSS GB", "anon GB"]
     headers += ["loaded s", "loaded/unloaded"] if load else []
-    print("  ".join(f"{h:>{len(h) if i != 1 else 18}}" for i, h in enumerate(headers)))
+    print("  ".join(f"{h:>{len(h) if i != 1 else 24}}" for i, h in enumerate(headers)))
     try:
         for k in args.k:
             folder = root / f"k{k}"
             folder.mkdir()
-            base, models = generate(folder, k, args.size_mb, args.dtype)
-            floors = {}
-            for reads_base in (False, True):
-                paths = [base, *models] if reads_base else models
-                gb = sum(p.joinpath("model.safetensors").stat().st_size for p in paths) / 1e9
-                measure = functools.partial(run_in_process, _floor_process, paths)
-                floors[reads_base] = row(args, load, k, f"floor ({len(paths)} files)", gb, None, measure)
-            for method in fitting(methods, k):
-                floor, gb = floors[METHODS[method].base]
-                measure = functools.partial(_merged, method, base, models, folder / f"out-{method}", args.device)
-                row(args, load, k, method, gb, floor, measure)
+            base, models = generate(folder, k, args.size_mb, args.dtype, args.width)
+            for cache in args.cache:
+                floors, tag = {}, f" {cache}" if len(args.cache) > 1 else ""
+                for reads_base in (False, True):
+                    paths = [base, *models] if reads_base else models
+                    gb = sum(p.joinpath("model.safetensors").stat().st_size for p in paths) / 1e9
+                    measure = evicting(cache, paths, functools.partial(run_in_process, _floor_process, paths))
+                    floors[reads_base] = row(args, load, k, f"floor ({len(paths)} files){tag}", gb, None, measure)
+                for method in fitting(methods, k):
+                    floor, gb = floors[METHODS[method].base]
+                    inputs = [base, *models] if METHODS[method].base else models
+                    merged = functools.partial(_merged, method, base, models, folder / f"out-{method}", args.device)
+                    row(args, load, k, f"{method}{tag}", gb, floor, evicting(cache, inputs, merged))
             if args.mergekit:
                 compare_with_mergekit(args, fitting(methods, k), base, models, folder)
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def evicting(cache: str, inputs: list[Path], measure):
+    """``measure``, its inputs evicted from the page cache before every call where ``cache`` is cold."""
+    return (lambda: (evict(inputs), measure())[1]) if cache == "cold" else measure
 
 
 def fitting(methods: list[str], k: int) -> list[str]:
@@ -341,7 +364,7 @@ def _merged(method: str, base: Path, models: list[Path], out: Path, device: str)
 def row(args, load: int, k: int, label: str, gb: float, floor: float | None, measure) -> tuple[float, float]:
     """Measure, print one row; returns (seconds, GB read)."""
     seconds, rss, anon = median_of(args.repeats, measure)
-    cells = [f"{k:>2}", f"{label:<18}", f"{seconds:7.2f}", f"{gb / seconds:9.2f}"]
+    cells = [f"{k:>2}", f"{label:<24}", f"{seconds:7.2f}", f"{gb / seconds:9.2f}"]
     cells += [f"{100 * (floor or seconds) / seconds:7.0f}", f"{rss / 1e9:11.2f}", f"{anon / 1e9:7.2f}"]
     if load:
         with busy_processes(load):
@@ -352,34 +375,81 @@ def row(args, load: int, k: int, label: str, gb: float, floor: float | None, mea
 
 
 def compare_with_mergekit(args, methods: list[str], base: Path, models: list[Path], folder: Path) -> None:
-    """Whole commands, ours and mergekit's, on these checkpoints and on tiny ones (start-up)."""
+    """Whole commands, ours and mergekit's (with ``--cuda`` too when ours runs on the GPU), on these
+    checkpoints and on tiny ones (start-up); each repeat runs every command once, in turn, under every
+    cache state, so that a drift of the machine weighs on all of them alike."""
     tiny = folder / "tiny"
     tiny.mkdir()
     tiny_base, tiny_models = generate(tiny, 2, 0.5, args.dtype)
-    floors = {reads_base: floor_command(base, models, folder, reads_base, args.repeats) for reads_base in (False, True)}
-    print(f"   floor (whole command): {floors[False]:.2f} s over the K models, {floors[True]:.2f} s with θ0")
-    header = f"   {'whole command':<18}  {'merit s':>7}  {'mergekit s':>10}  {'mergekit/merit':>14}"
-    print(header + f"  {'mergekit/floor':>14}")
+    floors = {
+        (reads_base, cache): floor_command(base, models, folder, reads_base, args.repeats, cache == "cold")
+        for reads_base in (False, True)
+        for cache in args.cache
+    }
+    for cache in args.cache:
+        print(
+            f"   floor (whole command, {cache}): {floors[False, cache]:.2f} s over the K models, "
+            f"{floors[True, cache]:.2f} s with θ0"
+        )
+    tools = ["merit", "mergekit", *(["mergekit --cuda"] if args.device == "cuda" else [])]
+    columns = [f"{tool} {cache}" for cache in args.cache for tool in tools]
+    columns += [f"mergekit/merit {cache}" for cache in args.cache] + [f"mergekit/floor {c}" for c in args.cache]
+    print(f"   {'whole command':<18}  " + "  ".join(f"{c:>{max(10, len(c))}}" for c in columns))
     cases = [(m, base, models, folder, f"{m}, K = {len(models)}") for m in methods]
     cases.append(("weighted_average", tiny_base, tiny_models, tiny, "start-up (tiny)"))
     for method, b, ms, where, label in cases:
-        ours, theirs = command_pair(method, b, ms, where, args.mergekit, args.dtype)
-        mine, other = timed_command(ours, args.repeats), timed_command(theirs, args.repeats)
-        ceiling = f"{other / floors[METHODS[method].base]:14.2f}" if where == folder else f"{'':>14}"
-        print(f"   {label:<18}  {mine:7.2f}  {other:10.2f}  {other / mine:14.2f}  {ceiling}", flush=True)
-        for out in where.glob(f"*-{method}"):  # both outputs
-            shutil.rmtree(out)
+        ours, theirs = command_pair(method, b, ms, where, args.mergekit, args.dtype, args.device)
+        commands = dict(zip(tools, [ours, theirs, [*theirs[:-2], "--cuda", *theirs[-2:]]]))
+        seconds = alternated(commands, [b, *ms], args.cache, args.repeats, where, method)
+        cells = [seconds[tool, cache] for cache in args.cache for tool in tools]
+        cells += [seconds["mergekit", cache] / seconds["merit", cache] for cache in args.cache]
+        floor = [floors[METHODS[method].base, cache] for cache in args.cache]
+        cells += [seconds["mergekit", c] / f for c, f in zip(args.cache, floor)] if where == folder else []
+        print(f"   {label:<18}  " + "  ".join(f"{v:>{max(10, len(c))}.2f}" for v, c in zip(cells, columns)), flush=True)
 
 
-def floor_command(base: Path, models: list[Path], folder: Path, reads_base: bool, repeats: int) -> float:
+def alternated(
+    commands: dict[str, list[str]], inputs: list[Path], caches: list[str], repeats: int, where: Path, method: str
+) -> dict[tuple[str, str], float]:
+    """Median seconds of each command under each cache state (``cold``: the input files evicted
+    from the page cache first, as a fresh machine reads them), the commands taking turns."""
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeats):
+        for cache in caches:
+            for tool, argv in commands.items():
+                if cache == "cold":
+                    evict(inputs)
+                seconds.setdefault((tool, cache), []).append(timed_command(argv, 1))
+                for out in where.glob(f"*-{method}"):  # the output, before the next command writes its own
+                    shutil.rmtree(out)
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
+def evict(folders: list[Path]) -> None:
+    """Every file of ``folders`` dropped from the page cache (written back first: dirty pages stay)."""
+    for folder in folders:
+        for file in folder.iterdir():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def floor_command(base: Path, models: list[Path], folder: Path, reads_base: bool, repeats: int, cold: bool) -> float:
     """Median seconds of the whole-command floor: ``merit merge`` averaging every file a method
     reads (the K models, and θ0 as one more input where the method reads it). It starts up, reads
     those bytes, writes an output of the same size and computes one multiply-add per entry read,
     so mergekit's seconds over it are the largest ratio any merge of these files reaches on this
-    machine; its writes land in the page cache as a merge's do."""
+    machine; its writes land in the page cache as a merge's do. ``cold``: its inputs evicted first."""
     paths = [base, *models] if reads_base else models
     spec, out = folder / f"floor-{len(paths)}.yaml", folder / f"floor-{len(paths)}"
     spec.write_text(yaml.safe_dump(merge_spec("weighted_average", base, paths, out).model_dump(mode="json")))
-    seconds = timed_command([sys.executable, "-m", "merit", "merge", str(spec)], repeats)
-    shutil.rmtree(out)
-    return seconds
+    seconds = []
+    for _ in range(repeats):
+        if cold:
+            evict(paths)
+        seconds.append(timed_command([sys.executable, "-m", "merit", "merge", str(spec)], 1))
+        shutil.rmtree(out)
+    return statistics.median(seconds)

@@ -200,11 +200,16 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def cmd_merge(args: argparse.Namespace) -> None:
     from pipeline.merge import MergeSpec, merge_checkpoints
+    from pipeline.merge.mergekit_config import is_mergekit, read_config, run_config
+    from pipeline.merge.spec import read_yaml
 
-    spec = MergeSpec.from_yaml(args.spec)
-    overrides = {"out_path": args.out_path, "device": args.device}
-    spec = spec.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-    report = merge_checkpoints(spec)
+    if is_mergekit(read_yaml(args.spec)):  # a file written for mergekit-yaml
+        report = run_config(read_config(args.spec), args.out_path, args.device)
+    else:
+        spec = MergeSpec.from_yaml(args.spec)
+        overrides = {"out_path": args.out_path, "device": args.device}
+        spec = spec.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+        report = merge_checkpoints(spec)
     counts = ", ".join(f"{m}: {n}" for m, n in report.summary()["method_counts"].items())
     print(f"merged {report.tensors} tensors ({counts}) into {report.out_path}")
     print(
@@ -292,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(func=cmd_calibrate)
 
     merge = sub.add_parser("merge", help="merge checkpoints as a mergekit-like YAML spec says")
-    merge.add_argument("spec", help="merge spec YAML (base_model, models, method or rules, out_path, ...)")
+    merge.add_argument(
+        "spec", help="merge spec YAML (base_model, models, method or rules, out_path, ...), or a mergekit config"
+    )
     merge.add_argument("--out-path", help="override the spec's out_path")
     merge.add_argument("--device", choices=["cpu", "cuda"], help="override the spec's device")
     merge.set_defaults(func=cmd_merge)

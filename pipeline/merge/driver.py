@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from pipeline.merge.io import (
     TensorInfo,
     check_complete,
     copy_aux_files,
+    copy_tokenizer,
     stream_checkpoint,
 )
 from pipeline.merge.layout import InMemory, ModelView, Piece, assemble
@@ -198,15 +199,37 @@ def _as_stored(reader: Any, key: str) -> str:
     return layout.pieces[key].name if layout is not None and key in layout.pieces else key
 
 
-def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> MergeReport:
+@dataclass(frozen=True)
+class TensorMerge:
+    """How one tensor is merged: the method, its parameters and the weights it sees."""
+
+    method: MergeMethod
+    params: MethodParams
+    weights: torch.Tensor
+
+
+TensorSettings = Callable[[Piece], TensorMerge]  # a tensor's merge, where it is not the spec's rules'
+
+
+def merge_checkpoints(
+    spec: MergeSpec,
+    progress: bool = True,
+    *,
+    settings: TensorSettings | None = None,
+    tokenizer_from: str | Path | None = None,
+    **meta: Any,
+) -> MergeReport:
     """Merge checkpoint folders as the spec says; write a loadable checkpoint atomically.
-    ``meta`` goes into the output's manifest (e.g. the identities of the inputs)."""
+    ``settings`` overrides the spec's rules and weights tensor by tensor (a mergekit config's
+    per-layer parameters); the output's tokenizer files come from ``tokenizer_from`` if given, else
+    with the other side files from the first model. ``meta`` goes into the output's manifest (e.g.
+    the identities of the inputs)."""
     if spec.out_format == "adapter":
         from pipeline.merge.to_adapter import merge_to_adapter
 
         return merge_to_adapter(spec, progress, **meta)
     start = time.perf_counter()
-    run = _CheckpointMerge(spec)
+    run = _CheckpointMerge(spec, settings)
     report = run.report
     report.threads = torch.get_num_threads()
     with staged_dir(spec.out_path) as tmp:
@@ -218,6 +241,8 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
             progress="merge" if progress else None,
         )
         copy_aux_files(run.models[0].aux_files(), tmp)  # the branches' config and processor files
+        if tokenizer_from is not None:
+            copy_tokenizer(Path(tokenizer_from), tmp)
         if spec.out_dtype:
             _name_dtype(tmp, spec.out_dtype)
         if run.untied:
@@ -244,8 +269,9 @@ def merge_checkpoints(spec: MergeSpec, progress: bool = True, **meta: Any) -> Me
 class _CheckpointMerge:
     """The inputs of one merge, validated up front, and the per-tensor merge over them."""
 
-    def __init__(self, spec: MergeSpec):
+    def __init__(self, spec: MergeSpec, settings: TensorSettings | None = None):
         self.spec, self.rules, self.weights = spec, spec.effective_rules, spec.normalized_weights()
+        self.settings = settings or self._by_rules
         self.base = ModelView.open(spec.base_model) if spec.base_model else None
         like = self.base.config() if self.base is not None else None  # the model of inputs without a config.json
         self.models = [
@@ -338,7 +364,8 @@ class _CheckpointMerge:
         """θ's piece. Where every input is an adapter that leaves it alone every τ_k is 0, and so is the
         merged τ of every method: θ0's tensor is copied (at 7B most of the bytes)."""
         key = piece.key
-        method, params = choose((piece.name, key), self.rules)
+        setting = self.settings(piece)
+        method = setting.method
         start, read_before = time.perf_counter(), self.report.read_seconds
         first = self.models[0]
         if not self._info(first, key).dtype.is_floating_point:  # an integer buffer: copied
@@ -348,10 +375,15 @@ class _CheckpointMerge:
             theta0 = self.base.reader(self.source_key(self.base, key))
             merged, method = self.report.timed(theta0)(0, rows_of(piece.shape)[0]).reshape(piece.shape), None
         else:
-            merged = merge_tensor(method, params, self.inputs(piece, method), self.weights, self.context(piece))
+            merged = merge_tensor(
+                method, setting.params, self.inputs(piece, method), setting.weights, self.context(piece)
+            )
         self.report.methods[piece.name] = method.name if method else "θ0's (no input changes it)"
         self.report.compute_seconds += time.perf_counter() - start - (self.report.read_seconds - read_before)
         return merged
+
+    def _by_rules(self, piece: Piece) -> TensorMerge:
+        return TensorMerge(*choose((piece.name, piece.key), self.rules), self.weights)
 
     def inputs(self, piece: Piece, method: MergeMethod) -> TensorInputs:
         timed, key = self.report.timed, piece.key

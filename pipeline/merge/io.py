@@ -416,3 +416,27 @@ def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> No
 def copy_aux_files(files: Iterable[Path], folder: Path) -> None:
     for file in files:
         shutil.copy2(file, folder / file.name)
+
+
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "vocab.*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+)
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """A checkpoint's tokenizer files (vocabulary, merges, special tokens, chat template)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and any(p.match(g) for g in TOKENIZER_FILES))
+
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    """``folder``'s tokenizer replaced by ``source``'s."""
+    if not tokenizer_files(source):
+        raise MergeInputError(f"{source}: no tokenizer files to take the tokenizer from")
+    for file in tokenizer_files(folder):
+        file.unlink()
+    copy_aux_files(tokenizer_files(source), folder)

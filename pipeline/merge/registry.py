@@ -18,8 +18,9 @@ Conventions every method follows (so MERIT merging and DiLoCo aggregation agree)
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,19 @@ from pipeline.merge.inputs import TensorInputs
 class MethodParams(BaseModel):
     # Fields may carry mergekit's name as an alias (``lambda`` for ``scale``): either name is accepted.
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+Share = Annotated[float, Field(gt=0.0, le=1.0)]
+Density = Share | list[Share]  # a share of entries kept: one for every model, or one per model (mergekit's)
+
+
+def per_model(value: float | Sequence[float], k: int, tensor: str) -> list[float]:
+    """A parameter given once or per model, as K values."""
+    if isinstance(value, (int, float)):
+        return [float(value)] * k
+    if len(value) != k:
+        raise ValueError(f"tensor {tensor}: {len(value)} per-model values for {k} models")
+    return [float(v) for v in value]
 
 
 def scale_field(default: float = 1.0):

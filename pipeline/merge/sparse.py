@@ -18,22 +18,45 @@ from pipeline.merge.methods import ties
 Sparsifier = Callable[[torch.Tensor, int], None]  # (block i's (K, n_i) task vectors, i): masks in place
 
 
+L1_EPS = 1e-7  # a norm under this is not rescaled (mergekit's)
+
+
 class Sparsified:
     """The row blocks of ``inputs`` sparsified as they are read. A tensor of one block is
-    sparsified once and kept: its raw block no longer exists."""
+    sparsified once and kept: its raw block no longer exists. With ``l1`` each τ̃_k is rescaled to
+    its τ_k's L1 norm over the whole tensor (mergekit's rescale): a tensor of several blocks is read
+    once more first, to sum both norms."""
 
-    def __init__(self, inputs: TensorInputs, sparsify: Sparsifier):
-        self.inputs, self.sparsify, self.kept = inputs, sparsify, None
+    def __init__(self, inputs: TensorInputs, sparsify: Sparsifier, l1: bool = False):
+        self.inputs, self.sparsify, self.l1, self.kept, self.factors = inputs, sparsify, l1, None, None
 
     def __call__(self, i: int) -> torch.Tensor:
         if self.kept is not None:
             return self.kept
-        block = self.inputs.block(i)
-        self.sparsify(block, i)
-        if len(self.inputs.blocks) == 1:
+        one_block = len(self.inputs.blocks) == 1
+        if self.l1 and self.factors is None and not one_block:
+            self.factors = _l1_factors(*map(sum, zip(*(self._norms(j)[1:] for j in self.inputs.blocks))))
+        block, before, after = self._norms(i)
+        if self.l1:
+            block.mul_(_l1_factors(before, after) if one_block else self.factors)
+        if one_block:
             self.inputs.forget()
             self.kept = block
         return block
+
+    def _norms(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Block i sparsified, with each row's L1 norm before and after (with ``l1``)."""
+        block = self.inputs.block(i)
+        before = block.abs().sum(1, dtype=torch.float64, keepdim=True) if self.l1 else None
+        self.sparsify(block, i)
+        after = block.abs().sum(1, dtype=torch.float64, keepdim=True) if self.l1 else None
+        return block, before, after
+
+
+def _l1_factors(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """(K, 1) factors ‖τ_k‖₁ / ‖τ̃_k‖₁, 1 where either norm is about 0."""
+    small = (before < L1_EPS) | (after < L1_EPS)
+    return torch.where(small, 1.0, before / after.clamp_min(L1_EPS)).float()
 
 
 def combine(
@@ -43,7 +66,7 @@ def combine(
     scale: float,
     consensus: bool,
     normalize: bool = True,
-    density: float = 1.0,
+    density: float | list[float] = 1.0,
 ) -> torch.Tensor:
     """The merged task vector of the sparsified ``blocks``: λ Σ_k w_k τ̃_k, or with ``consensus``
     TIES on them (trimmed further to ``density``)."""

@@ -127,9 +127,14 @@ class MergeSpec(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> MergeSpec:
         try:
-            data = yaml.safe_load(Path(path).read_text())
-            return cls.model_validate(data)
-        except (OSError, yaml.YAMLError) as err:
-            raise MergeSpecError(f"cannot read merge spec {path}: {err}") from err
+            return cls.model_validate(read_yaml(path))
         except ValidationError as err:
             raise MergeSpecError(f"invalid merge spec {path}:\n{err}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A merge YAML's contents (safe loading)."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise MergeSpecError(f"cannot read merge spec {path}: {err}") from err

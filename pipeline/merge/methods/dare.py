@@ -11,8 +11,9 @@ combination is linear in a common factor of its inputs (TIES trims and elects si
 ``dare_linear`` and ``dare_ties`` are the same merges under mergekit's names and parameters:
 ``density`` is the share kept (1 − p, default 1: nothing dropped), ``rescale`` turns the
 1 / density rescale off, and ``dare_ties`` sums the agreeing survivors unless ``normalize``.
-mergekit rescales each τ̃_k to the L1 norm of its τ_k instead of by 1 / density (the paper's
-rescale, whose expectation it matches); its masks are ``torch.bernoulli`` draws.
+``density`` may be one per model (mergekit's per-model density). mergekit rescales each τ̃_k to the L1
+norm of its τ_k instead of by 1 / density (the paper's rescale, whose expectation it matches):
+``rescale_norm: l1`` does the same; its masks are ``torch.bernoulli`` draws.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import Field, field_validator
 
 from pipeline.merge.chunks import workers
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
+from pipeline.merge.registry import Density, MergeMethod, MethodParams, TensorContext, per_model, register, scale_field
 from pipeline.merge.sparse import Sparsified, Sparsifier, combine
 from pipeline.threads import map_chunks
 
@@ -72,12 +73,15 @@ def drop_level(p: float) -> int:
     return round(p * LEVELS) - LEVELS // 2
 
 
-def dropper(inputs: TensorInputs, p: float, ctx: TensorContext) -> Sparsifier:
-    """DARE's masks (not yet rescaled): each entry of each τ_k dropped with probability p."""
-    level = drop_level(p)
+def dropper(
+    inputs: TensorInputs, p: float | list[float], ctx: TensorContext, factors: list[float] | None = None
+) -> Sparsifier:
+    """DARE's masks: each entry of τ_k dropped with probability p (or p_k, one per model), the
+    survivors multiplied by ``factors[k]`` if given (else left for the caller to rescale)."""
+    levels = [drop_level(q) for q in per_model(p, inputs.k, inputs.name)]
 
     def drop(block: torch.Tensor, i: int) -> None:
-        if level == -LEVELS // 2:
+        if all(level == -LEVELS // 2 for level in levels) and factors is None:
             return
         start = inputs.span(i).start
 
@@ -86,9 +90,9 @@ def dropper(inputs: TensorInputs, p: float, ctx: TensorContext) -> Sparsifier:
         # every stretch on one thread).
         def drop_columns(cols: slice, buffers: list[torch.Tensor]) -> None:
             keep = buffers[0][: cols.stop - cols.start]
-            for k in range(inputs.k):
+            for k, level in enumerate(levels):
                 torch.ge(draws(ctx, k, start + cols.start, start + cols.stop).to(block.device), level, out=keep)
-                block[k, cols].mul_(keep)
+                block[k, cols].mul_(keep if factors is None else keep.mul_(factors[k]))
 
         scratch = lambda: [torch.empty(min(RNG_STRETCH, block.shape[1]), device=block.device)]
         map_chunks(drop_columns, stretches(start, block.shape[1]), scratch, workers(block))
@@ -118,14 +122,16 @@ def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, param
 class KeepParams(MethodParams):
     """mergekit's ``dare_linear`` / ``dare_ties`` parameters: ``density`` is the share kept."""
 
-    density: float = Field(1.0, gt=0.0, le=1.0)  # 1 − p (mergekit's default: nothing dropped)
+    density: Density = 1.0  # 1 − p, or one per model (mergekit's default: nothing dropped)
     rescale: bool = True  # survivors × 1 / density
+    rescale_norm: Literal["l1"] | None = None  # l1: each τ̃_k × ‖τ_k‖₁ / ‖τ̃_k‖₁ instead (mergekit's)
     scale: float = scale_field()  # λ
 
     @field_validator("density")
     @classmethod
-    def _keeps_something(cls, density: float) -> float:
-        keeps_something(1 - density)
+    def _keeps_something(cls, density: float | list[float]) -> float | list[float]:
+        for d in [density] if isinstance(density, float) else density:
+            keeps_something(1 - d)
         return density
 
 
@@ -134,9 +140,13 @@ class TiesKeepParams(KeepParams):
 
 
 def merge_keeping(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: KeepParams) -> torch.Tensor:
-    p = 1 - params.density
-    dropped = Sparsified(inputs, dropper(inputs, p, ctx))
-    scale = params.scale * (rescale(p) if params.rescale else 1.0)
+    drops = [1 - d for d in per_model(params.density, inputs.k, inputs.name)]
+    by_density = params.rescale and params.rescale_norm is None
+    # One drop rate: its rescale multiplies the merged τ once; several: each τ̃_k is rescaled as it is dropped.
+    factors = [rescale(p) for p in drops] if by_density and len(set(drops)) > 1 else None
+    l1 = params.rescale and params.rescale_norm == "l1"
+    dropped = Sparsified(inputs, dropper(inputs, drops, ctx, factors), l1=l1)
+    scale = params.scale * (rescale(drops[0]) if by_density and factors is None else 1.0)
     consensus = isinstance(params, TiesKeepParams)
     return combine(inputs, dropped, weights, scale, consensus, normalize=consensus and params.normalize)
 

@@ -7,30 +7,35 @@ unless ``normalize: false``) or linearly (``della_linear``). density 1 keeps eve
 
 The draws are DARE's (seeded by tensor, model and position; 2^-16 resolution). mergekit rescales
 each τ̃_k to the L1 norm of its τ_k instead of by the paper's 1 / q, and ranks along the second
-dimension of a tensor of more than 2 (here: each row of the first dimension, flattened).
+dimension of a tensor of more than 2 (here: each row of the first dimension, flattened);
+``rescale_norm: l1`` rescales as mergekit does.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from pipeline.merge.inputs import TensorInputs
 from pipeline.merge.methods.dare import LEVELS, draws
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
+from pipeline.merge.registry import Density, MergeMethod, MethodParams, TensorContext, per_model, register, scale_field
 from pipeline.merge.sparse import Sparsified, Sparsifier, combine
 
 
 class LinearParams(MethodParams):
-    density: float = Field(1.0, gt=0.0, le=1.0)  # mean share kept
+    density: Density = 1.0  # mean share kept (or one per model)
     epsilon: float = Field(0.15, ge=0.0)  # the keep probability spans density ± epsilon
     rescale: bool = True  # survivors × 1 / q
+    rescale_norm: Literal["l1"] | None = None  # l1: each τ̃_k × ‖τ_k‖₁ / ‖τ̃_k‖₁ instead (mergekit's)
     scale: float = scale_field()  # λ
 
     @model_validator(mode="after")
     def _probabilities(self):
-        if self.density < 1 and not 0 < self.density - self.epsilon < self.density + self.epsilon < 1:
-            raise ValueError(f"density ± epsilon must lie in (0, 1), got {self.density} ± {self.epsilon}")
+        for density in [self.density] if isinstance(self.density, float) else self.density:
+            if density < 1 and not 0 < density - self.epsilon < density + self.epsilon < 1:
+                raise ValueError(f"density ± epsilon must lie in (0, 1), got {density} ± {self.epsilon}")
         return self
 
 
@@ -39,6 +44,8 @@ class Params(LinearParams):
 
 
 def magprune(inputs: TensorInputs, params: LinearParams, ctx: TensorContext) -> Sparsifier:
+    densities = per_model(params.density, inputs.k, inputs.name)
+    by_q = params.rescale and params.rescale_norm is None
     row = inputs.numel if len(inputs.shape) < 2 else inputs.per_row
     if len(inputs.shape) < 2 and len(inputs.blocks) > 1:
         raise ValueError(f"tensor {inputs.name}: a vector larger than the block budget cannot be ranked whole")
@@ -48,12 +55,15 @@ def magprune(inputs: TensorInputs, params: LinearParams, ctx: TensorContext) -> 
         order = rows.abs().argsort(-1)
         ranks = torch.empty(rows.shape, device=block.device)  # each entry's magnitude rank in its row
         ranks.scatter_(-1, order, torch.arange(row, dtype=torch.float32, device=block.device).expand(rows.shape))
-        q = ranks.mul_(2 * params.epsilon / max(row - 1, 1)).add_(params.density - params.epsilon)
+        spread = ranks.mul_(2 * params.epsilon / max(row - 1, 1))
         span = inputs.span(i)
-        for k in range(inputs.k):
+        for k, density in enumerate(densities):
+            if density >= 1:  # this model keeps every entry
+                continue
+            q = spread[k].view(-1).add(density - params.epsilon)
             uniform = draws(ctx, k, span.start, span.stop).to(block.device).float().add_(LEVELS // 2).div_(LEVELS)
-            kept = uniform < q[k].view(-1)
-            factor = q[k].view(-1).reciprocal() if params.rescale else torch.ones_like(uniform)
+            kept = uniform < q
+            factor = q.reciprocal_() if by_q else torch.ones_like(uniform)
             block[k].mul_(factor.mul_(kept))
 
     return drop
@@ -61,7 +71,9 @@ def magprune(inputs: TensorInputs, params: LinearParams, ctx: TensorContext) -> 
 
 def merge(inputs: TensorInputs, weights: torch.Tensor, ctx: TensorContext, params: LinearParams) -> torch.Tensor:
     consensus = isinstance(params, Params)
-    blocks = inputs.block if params.density >= 1 else Sparsified(inputs, magprune(inputs, params, ctx))
+    l1 = params.rescale and params.rescale_norm == "l1"
+    keeps_all = min(per_model(params.density, inputs.k, inputs.name)) >= 1
+    blocks = inputs.block if keeps_all else Sparsified(inputs, magprune(inputs, params, ctx), l1=l1)
     return combine(inputs, blocks, weights, params.scale, consensus, normalize=consensus and params.normalize)
 
 

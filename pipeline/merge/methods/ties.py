@@ -1,6 +1,7 @@
 """TIES (Yadav et al. 2023): trim, elect sign, disjoint mean.
 
-1. Trim: keep the top ``density`` fraction of each τ_k by magnitude (paper default 20 %).
+1. Trim: keep the top ``density`` fraction of each τ_k by magnitude (paper default 20 %; a list
+   gives each model its own, as mergekit's per-model ``density``).
 2. Elect: s = sign(Σ_k w_k τ̂_k); where that sum is exactly 0, the sign of Σ s (the tensor's
    majority; 0 when that is a tie too, so the entry stays 0), as in the reference
    implementation. This keeps TIES odd, f(−τ) = −f(τ), which DiLoCo's sign convention needs.
@@ -19,20 +20,19 @@ and in-place arithmetic (``pipeline.merge.chunks``): on a CPU, temporaries and b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-from pydantic import Field
 
 from pipeline.merge.chunks import chunks, scratch, view, workers
 from pipeline.merge.inputs import TensorInputs
-from pipeline.merge.registry import MergeMethod, MethodParams, TensorContext, register, scale_field
+from pipeline.merge.registry import Density, MergeMethod, MethodParams, TensorContext, per_model, register, scale_field
 from pipeline.merge.selection import kth_largest_abs
 from pipeline.threads import map_chunks
 
 
 class Params(MethodParams):
-    density: float = Field(0.2, gt=0.0, le=1.0)  # fraction of entries kept per task vector
+    density: Density = 0.2  # fraction of entries kept per task vector (or one per model)
     normalize: bool = True  # the disjoint mean (false: the disjoint sum)
     scale: float = scale_field()  # λ
 
@@ -45,7 +45,7 @@ def ties(
     inputs: TensorInputs,
     block: Callable[[int], torch.Tensor],
     weights: torch.Tensor,
-    density: float,
+    density: float | Sequence[float],
     scale: float,
     normalize: bool = True,
 ) -> torch.Tensor:
@@ -54,14 +54,9 @@ def ties(
     majority sign known for the columns whose kept values cancel exactly, the disjoint means. A
     tensor of one block is kept trimmed in place between the passes; a larger one is read and
     trimmed again. The chunks of a pass run on ``map_chunks`` threads."""
-    rows, n, device = inputs.k, inputs.numel, inputs.device
-    keep = max(1, int(density * n))
+    n, device = inputs.numel, inputs.device
     one_block = len(inputs.blocks) == 1
-    if keep < n:
-        blocks = block(0) if one_block else lambda: (block(i) for i in inputs.blocks)
-        threshold = kth_largest_abs(blocks, keep, n).view(-1, 1)
-    else:
-        threshold = torch.zeros(rows, 1, device=device)
+    threshold = _thresholds(inputs, block, [max(1, int(d * n)) for d in per_model(density, inputs.k, inputs.name)])
     w = weights.to(device)
     out = torch.empty(n, dtype=torch.float32, device=device)  # the elected signs, then the merged values
 
@@ -93,6 +88,20 @@ def ties(
         flat = block(i)
         map_chunks(average(flat, inputs.span(i).start, majority), chunks(flat), scratch(flat, 1), workers(flat))
     return out.mul_(scale).view(inputs.shape)
+
+
+def _thresholds(inputs: TensorInputs, block: Callable[[int], torch.Tensor], keeps: list[int]) -> torch.Tensor:
+    """(K, 1): each task vector's k-th largest |τ_k| for its own k (0 where it keeps every entry).
+    Models that keep as many entries share one selection; each further count is one more (a
+    tensor of several blocks: one more read of it)."""
+    n, one_block = inputs.numel, len(inputs.blocks) == 1
+    threshold = torch.zeros(inputs.k, 1, device=inputs.device)
+    for keep in sorted(set(keeps) - {n}):
+        rows = [k for k, kept in enumerate(keeps) if kept == keep]
+        pick = slice(None) if len(rows) == inputs.k else torch.tensor(rows, device=inputs.device)
+        blocks = block(0)[pick] if one_block else lambda pick=pick: (block(i)[pick] for i in inputs.blocks)
+        threshold[rows] = kth_largest_abs(blocks, keep, n).view(-1, 1)
+    return threshold
 
 
 def _trim(chunk: torch.Tensor, threshold: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
