@@ -348,6 +348,10 @@ class MergeEntry(Section):
     method: str | None = None
     params: dict[str, Any] = {}
     rules: list[Rule] | None = None
+    # Or mergekit's method and parameters, with mergekit's meanings, over the branches: θ0 is the base
+    # model and each branch's weight its ``weighting`` share unless the parameters give a weight.
+    merge_method: str | None = None
+    parameters: dict[str, Any] = {}
     weighting: Literal["tokens", "equal"] = "tokens"
     # LoRA branches: the merged ΔW as a model (θ0 + ΔW) or as a PEFT adapter (the merge spec's).
     out_format: Literal["model", "adapter"] = "model"
@@ -355,14 +359,25 @@ class MergeEntry(Section):
 
     @model_validator(mode="after")
     def _method_or_rules(self) -> MergeEntry:
-        if (self.method is None) == (self.rules is None):
-            raise ValueError(f"merge '{self.name}': give either 'method' (with 'params') or 'rules'")
+        if sum(x is not None for x in (self.method, self.rules, self.merge_method)) != 1:
+            raise ValueError(
+                f"merge '{self.name}': give one of 'method' (with 'params'), 'rules', or mergekit's 'merge_method' "
+                "(with 'parameters')"
+            )
         if self.method is not None:
             get_method(self.method).validate(self.params)
+        if self.merge_method is not None:
+            from pipeline.merge.mergekit_config import check_entry  # it imports the driver, which imports this
+
+            check_entry(self.merge_method, self.parameters)
         return self
 
     @property
     def effective_rules(self) -> list[Rule]:
+        if self.merge_method is not None:
+            from pipeline.merge.mergekit_config import METHODS
+
+            return rules_for(METHODS[self.merge_method].ours, {}, None)
         return rules_for(self.method, self.params, self.rules)
 
 
@@ -376,6 +391,9 @@ class MergeSearch(Section):
     sampler: Literal["tpe", "cmaes"] = "tpe"
     parallel: int = Field(1, ge=1)  # the merit flow's trials at once, each worker on a GPU of its own if any
     params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
+    # Weights per group of consecutive decoder layers (mergekit-evolve's layer granularity): G groups
+    # of K weights each; tensors outside the layers take the first group's (final norm, lm_head: the last's).
+    layer_groups: int = Field(1, ge=1)
     # the dev split: the last held-out examples of each trained source, never scored by the report
     max_examples_per_source: int = Field(32, ge=1)
     # Or lmms-eval tasks as the dev split (their mean score, maximised), never eval.benchmarks':
@@ -409,6 +427,8 @@ class MergeSection(Section):
             if self.search.merge == MergeSearch().merge and not (self.search.params or self.search.enabled):
                 return self  # the default names a merge this config does not have: nothing to search
             raise ValueError(f"merge.search.merge: no merge named '{self.search.merge}' in merge.methods")
+        if entry.merge_method is not None:
+            raise ValueError(f"merge.search.merge: '{entry.name}' is a mergekit entry; search a merit method's entry")
         if self.search.params:
             if entry.method is None:
                 raise ValueError(f"merge.search.params: merge '{entry.name}' has rules; search one method's params")

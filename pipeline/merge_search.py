@@ -15,7 +15,10 @@ stopped (the interrupted trial is marked failed and another run in its place, it
 folder and its dev jobs' folders removed), its sampler seeded by the trials the study holds so that
 it proposes new points, and a finished one is not rerun. A study is tied to its space (the method,
 its fixed parameters, the branches, the ranges): a search over another is refused, not mixed in.
-A method's integer parameter is searched over integers. ``merge.search.parallel`` workers run
+A method's integer parameter is searched over integers. With ``merge.search.layer_groups`` G > 1
+the weights are G × K genes, one set per group of consecutive decoder layers (mergekit-evolve's
+layer granularity; tensors outside the layers take the first group's, the final norm and lm_head
+the last's): G times the dimensions, so TPE needs more trials to use them. ``merge.search.parallel`` workers run
 trials at once on one study (the merit flow's tasks; each worker its own GPU when there are, its
 own sampler seed); one search runs at a time.
 
@@ -35,13 +38,19 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.checkpoint import is_complete, read_manifest, write_json_atomic
 from pipeline.config import MergeEntry, RunConfig
 from pipeline.devices import eval_device, usable_gpus
 from pipeline.eval.benchmarks import JobFailed, Slot, run_benchmark, search_config
 from pipeline.eval.heldout import Heldout, dev_share, score_model, source_roles, summarise
 from pipeline.layout import SEARCH_PLOT, SEARCH_RESULT, init_path, search_dir, tuned_dir
-from pipeline.merge import get_method, merge_checkpoints
+from pipeline.merge import CheckpointReader, get_method, merge_checkpoints
+from pipeline.merge.driver import TensorMerge
+from pipeline.merge.layout import Piece
+from pipeline.merge.mergekit_config import POST, decoder_stack, layer_of, stack_sizes
+from pipeline.merge.rules import choose
 from pipeline.merging import branch_finals, branch_fisher, entry_spec, find_entry, group_tokens, needs_fisher
 from pipeline.models import load_model, load_processor
 from pipeline.threads import threads_per_process
@@ -123,6 +132,7 @@ class Search:
                 f"{self.folder / STUDY}: this study was {self.study.direction.name.lower()}d; merge.search now "
                 f"{direction}s ({self.metric}): move the folder away to start another search"
             )
+        self.groups = LayerGroups(init_path(cfg, run_dir), search.layer_groups)
         self._check_space()
         # Seeded by the trials the study holds: a resumed search re-seeded as it began would propose
         # its first points again (TPE's first ten are random draws); workers each their own stream.
@@ -134,7 +144,8 @@ class Search:
         """What the study's trials are points of: the merge, its branches and the ranges searched."""
         entry = self.entry
         ranges = {name: list(r) for name, r in self.cfg.merge.search.params.items()}
-        return {"method": entry.method, "params": entry.params, "branches": len(self.finals), "ranges": ranges}
+        space = {"method": entry.method, "params": entry.params, "branches": len(self.finals), "ranges": ranges}
+        return space | ({"layer_groups": self.groups.count} if self.groups.count > 1 else {})
 
     def _check_space(self) -> None:
         """A study's trials are points of one space: a resumed search over another (other ranges, a
@@ -143,10 +154,10 @@ class Search:
         if before is None:
             self.study.set_user_attr("space", space)
         elif before != space:
-            changed = sorted(k for k in space if before.get(k) != space[k])
+            changed = sorted(k for k in space.keys() | before.keys() if before.get(k) != space.get(k))
             raise ValueError(
                 f"{self.folder / STUDY}: this study searched another space ({', '.join(changed)}: "
-                f"{[before.get(k) for k in changed]}, now {[space[k] for k in changed]}); "
+                f"{[before.get(k) for k in changed]}, now {[space.get(k) for k in changed]}); "
                 "move the folder away to start another search"
             )
 
@@ -154,7 +165,7 @@ class Search:
         """Trial 0: the merge as configured (weights normalised; the method's own parameter values,
         inside their ranges: the config refuses one outside)."""
         raw = self.tokens if self.entry.weighting == "tokens" else [1.0] * len(self.finals)
-        point = {f"w{k}": w / max(raw) for k, w in enumerate(raw)}
+        point = {gene: raw[k] / max(raw) for gene, k in self.genes()}
         params = get_method(self.entry.method).validate(self.entry.params) if self.entry.method else None
         for name in self.cfg.merge.search.params:
             point[name] = getattr(params, name)
@@ -171,16 +182,42 @@ class Search:
         models = [m.model_copy(update={"weight": w}) for m, w in zip(spec.models, weights)]
         return spec.model_copy(update={"models": models})
 
+    def genes(self) -> list[tuple[str, int]]:
+        """(name, branch) of every weight searched: ``w<k>``, or ``w<g>_<k>`` per layer group g."""
+        k = len(self.finals)
+        if self.groups.count == 1:
+            return [(f"w{i}", i) for i in range(k)]
+        return [(f"w{g}_{i}", i) for g in range(self.groups.count) for i in range(k)]
+
+    def group_weights(self, point: dict[str, float]) -> list[list[float]]:
+        """Each layer group's branch weights, normalised."""
+        k, genes = len(self.finals), [point[name] for name, _ in self.genes()]
+        return [_normalised(genes[g * k : (g + 1) * k]) for g in range(self.groups.count)]
+
     def weights(self, point: dict[str, float]) -> list[float]:
-        raw = [point[f"w{k}"] for k in range(len(self.finals))]
-        total = sum(raw)
-        return [w / total for w in raw] if total > 0 else [1 / len(raw)] * len(raw)
+        """The branch weights (with layer groups: their mean over the groups)."""
+        groups = self.group_weights(point)
+        return [sum(column) / len(groups) for column in zip(*groups)]
+
+    def merge(self, point: dict[str, float], out: Path, **meta: Any) -> None:
+        spec = self.spec(point, out)
+        if self.groups.count == 1:
+            merge_checkpoints(spec, progress=False, **meta)
+            return
+        weights = [torch.tensor(w) for w in self.group_weights(point)]
+        rules = spec.effective_rules
+
+        def settings(piece: Piece) -> TensorMerge:
+            method, params = choose((piece.name, piece.key), rules)
+            return TensorMerge(method, params, weights[self.groups.of(piece.name)])
+
+        merge_checkpoints(spec, progress=False, settings=settings, layer_weights=self.group_weights(point), **meta)
 
     def params(self, point: dict[str, float]) -> dict[str, float]:
         return {name: point[name] for name in self.cfg.merge.search.params}
 
     def objective(self, trial) -> float:
-        point = {f"w{k}": trial.suggest_float(f"w{k}", 0.0, 1.0) for k in range(len(self.finals))}
+        point = {name: trial.suggest_float(name, 0.0, 1.0) for name, _ in self.genes()}
         fields = get_method(self.entry.method).params.model_fields if self.entry.method else {}
         for name, (low, high) in self.cfg.merge.search.params.items():
             if fields[name].annotation is int:  # an iteration count stays a whole number
@@ -189,7 +226,7 @@ class Search:
                 point[name] = trial.suggest_float(name, low, high)
         out, device = self.folder / f"{TRIAL}{trial.number}", worker_device(self.cfg, self.worker)
         jobs = self.run_dir / "eval" / "benchmarks" / f"{self.jobs}{trial.number}"
-        merge_checkpoints(self.spec(point, out), progress=False)
+        self.merge(point, out)
         try:
             if self.dev is None:
                 return dev_score(self.cfg, self.run_dir, out, jobs.name, device)
@@ -252,9 +289,11 @@ class Search:
         given, best = next(t for t in trials if t.user_attrs.get("given")), self.study.best_trial
         best_dir = tuned_dir(self.run_dir, self.entry.name)
         spec = self.spec(best.params, best_dir)
-        kept = is_complete(best_dir) and read_manifest(best_dir).get("spec") == spec.model_dump(mode="json")
+        layers = self.group_weights(best.params) if self.groups.count > 1 else None
+        manifest = read_manifest(best_dir) if is_complete(best_dir) else {}
+        kept = manifest.get("spec") == spec.model_dump(mode="json") and manifest.get("layer_weights") == layers
         if not kept:  # else a finished search run again: its chosen merge is already there
-            merge_checkpoints(spec, progress=False, trial=best.number)
+            self.merge(best.params, best_dir, trial=best.number)
         result = {
             "merge": self.entry.name,
             "method": self.entry.method,
@@ -267,6 +306,7 @@ class Search:
                 "trial": best.number,
                 "value": best.value,
                 "weights": self.weights(best.params),
+                **({"layer_weights": layers} if layers else {}),
                 "params": self.params(best.params),
                 "checkpoint": str(best_dir),
             },
@@ -283,6 +323,32 @@ class Search:
         write_json_atomic(self.folder / SEARCH_RESULT, result)
         plot_search(result, self.folder / SEARCH_PLOT)
         return result
+
+
+def _normalised(raw: list[float]) -> list[float]:
+    total = sum(raw)
+    return [w / total for w in raw] if total > 0 else [1 / len(raw)] * len(raw)
+
+
+class LayerGroups:
+    """G groups of consecutive decoder layers of θ0 (sizes differing by at most one): the group of a
+    tensor by its layer; outside the layers the first group, the final norm and lm_head the last."""
+
+    def __init__(self, theta0: Path, count: int):
+        self.count = count
+        if count == 1:
+            return
+        reader = CheckpointReader(theta0)
+        self.stack = decoder_stack(reader.info, reader.config(), str(theta0))
+        self.layers = stack_sizes(reader.info)[self.stack]
+        if count > self.layers:
+            raise ValueError(f"merge.search.layer_groups: {count} groups of {self.layers} decoder layers")
+
+    def of(self, name: str) -> int:
+        found = layer_of(name)
+        if found and found[0] == self.stack:
+            return found[1] * self.count // self.layers
+        return self.count - 1 if POST.match(name) else 0
 
 
 def tune_merge(cfg: RunConfig, run_dir: str | Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pipeline.fisher import estimate_fisher
 from pipeline.layout import branch_dir, init_path, merged_dir, split_groups
 from pipeline.merge import MergeSpec, ModelEntry, get_method, merge_checkpoints
 from pipeline.merge.adapter import adapted_parameters
+from pipeline.merge.mergekit_config import branch_config, run_config
 from pipeline.models import load_model, load_processor
 from pipeline.models.adapter import is_adapter
 
@@ -99,8 +100,7 @@ def entry_spec(
 
 
 def needs_fisher(entry: MergeEntry) -> bool:
-    names = [entry.method] if entry.method else [r.method for r in entry.rules]
-    return any(get_method(m).needs_fisher for m in names)
+    return any(get_method(rule.method).needs_fisher for rule in entry.effective_rules)
 
 
 def branch_fisher(cfg: RunConfig, run_dir: str | Path, k: int) -> Path:
@@ -128,6 +128,8 @@ def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:
     """Write ``merged/<name>`` unless it exists from the same spec and the same input weights;
     returns the merge report."""
     entry = find_entry(cfg, name)
+    if entry.merge_method is not None:
+        return merge_mergekit_entry(cfg, run_dir, entry)
     fishers = (
         [branch_fisher(cfg, run_dir, k) for k in range(len(branch_finals(run_dir)))] if needs_fisher(entry) else None
     )
@@ -140,3 +142,26 @@ def merge_run(cfg: RunConfig, run_dir: str | Path, name: str) -> dict[str, Any]:
         if manifest.get("spec") == spec.model_dump(mode="json") and manifest.get("inputs") == inputs:
             return manifest["report"]
     return merge_checkpoints(spec, progress=False, inputs=inputs).summary()
+
+
+def merge_mergekit_entry(cfg: RunConfig, run_dir: str | Path, entry: MergeEntry) -> dict[str, Any]:
+    """A mergekit entry over the branches (full checkpoints), redone only when it or its inputs change."""
+    if cfg.train.finetuning_type == "lora":
+        raise ValueError(f"merge '{entry.name}': mergekit entries merge full checkpoints; LoRA branches need 'method'")
+    finals = branch_finals(run_dir)
+    tokens = group_tokens(run_dir, [read_manifest(f)["sources"] for f in finals])
+    weights = tokens if entry.weighting == "tokens" else [1] * len(finals)
+    shares = [w / sum(weights) for w in weights]
+    base, out = init_path(cfg, run_dir), merged_dir(run_dir, entry.name)
+    config = branch_config(entry.merge_method, entry.parameters, base, finals, shares, out)
+    config = config.model_copy(update={"out_dtype": cfg.merge.out_dtype})
+    inputs = {str(path): checkpoint_id(path) for path in [base, *finals]}
+    if is_complete(out):
+        manifest = read_manifest(out)
+        if (
+            manifest.get("mergekit") == config.model_dump(mode="json", exclude_none=True)
+            and manifest.get("inputs") == inputs
+        ):
+            return manifest["report"]
+    overrides = {"block_mb": cfg.merge.block_mb, "seed": cfg.run.seed}
+    return run_config(config, device=cfg.merge.device, progress=False, overrides=overrides, inputs=inputs).summary()

@@ -116,6 +116,10 @@ def _merges(cfg: RunConfig, run_dir: str | Path) -> str:
     k = cfg.branch_count
     branches = [Path(f"branches/{i}/final") for i in range(k)]
     for entry in cfg.merge.methods:
+        if entry.merge_method is not None:  # mergekit's terms: checked when the config was read
+            if cfg.train.finetuning_type == "lora":
+                raise ValueError(f"merge '{entry.name}': mergekit entries merge full checkpoints, not LoRA branches")
+            continue
         fishers = [Path(f"branches/{i}/fisher") for i in range(k)] if needs_fisher(entry) else None
         entry_spec(cfg, entry, "θ0", branches, [1] * k, Path(f"merged/{entry.name}"), fishers)
     checked = ", ".join(m.name for m in cfg.merge.methods)

@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from benchmarks.merge import checkpoint_shapes, qwen2_config
 from merit.cli import main as merit
 from pipeline.merge import MergeSpec, merge_checkpoints
+from pipeline.merge.methods.dare import LEVELS, draws, drop_level
+from pipeline.merge.registry import TensorContext
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit is a test dependency (pip install -e '.[dev]')")
 from mergekit.config import MergeConfiguration  # noqa: E402
@@ -275,9 +277,6 @@ class SameDraws:
         return getattr(torch, name)
 
     def bernoulli(self, probs: torch.Tensor) -> torch.Tensor:
-        from pipeline.merge.methods.dare import LEVELS, drop_level, draws
-        from pipeline.merge.registry import TensorContext
-
         name, k = self.current
         random = draws(TensorContext(name, 0), k, 0, probs.numel()).view(probs.shape)
         if self.method == "dare":  # merit keeps the entries whose draw reaches the drop level

@@ -140,6 +140,30 @@ def test_an_integer_parameter_is_searched_over_integers_from_the_merge_as_given(
     assert all(isinstance(t["params"]["max_iter"], int) and 1 <= t["params"]["max_iter"] <= 6 for t in trials)
 
 
+def test_weights_per_layer_group_merge_each_group_with_its_own(branches):
+    """layer_groups: 2 searches two weights per branch; the chosen merge averages the first half of
+    the decoder layers with the first group's weights and the second half with the second's."""
+    run = branches
+    settings = ["merge.search.layer_groups=2", "merge.search.trials=3", "merge.search.max_examples_per_source=1"]
+    assert merit(search_args(run, *settings)) == 0
+    result = json.loads((search_dir(run, "token_average") / SEARCH_RESULT).read_text())
+    groups = result["best"]["layer_weights"]
+    assert len(groups) == 2 and all(sum(g) == pytest.approx(1) for g in groups)
+    best = load_file(search_dir(run, "token_average") / "best" / "model.safetensors")
+    finals = [load_file(branch_dir(run, k) / "final" / "model.safetensors") for k in range(2)]
+    layers = 1 + max(int(n.split("layers.")[1].split(".")[0]) for n in best if ".layers." in n and "visual" not in n)
+    for layer in (0, layers - 1):
+        name = next(n for n in best if n.endswith(f"layers.{layer}.mlp.up_proj.weight") and "visual" not in n)
+        w = groups[layer * 2 // layers]
+        assert torch.allclose(best[name], w[0] * finals[0][name] + w[1] * finals[1][name], atol=1e-6)
+    cfg, _ = run_config(None, ["merge.search.enabled=true", "merge.search.layer_groups=1"], run)
+    with pytest.raises(ValueError, match=r"another space \(layer_groups"):
+        Search(cfg, run)
+    cfg, _ = run_config(None, ["merge.search.enabled=true", f"merge.search.layer_groups={layers + 1}"], run)
+    with pytest.raises(ValueError, match=f"{layers + 1} groups of {layers} decoder layers"):
+        Search(cfg, run)
+
+
 def test_a_fisher_merge_is_searched_with_its_branches_fisher(branches):
     run = branches
     settings = ["merge.methods=[{name: fish, method: fisher}]", "merge.search.merge=fish", "merge.search.params={}"]

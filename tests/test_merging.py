@@ -85,3 +85,28 @@ def test_branches_get_disjoint_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert branch_slots(small_config(), 3) == [None]
     assert branch_slots(small_config("flow.branch_deployment=merit-branch/gpu"), 3) == [None] * 3  # a machine each
+
+
+def test_a_mergekit_entry_merges_the_branches_with_mergekits_meanings(run):
+    """mergekit's task arithmetic over the branches: each weighted by its token share unless the
+    parameters give a weight; normalize: false sums the raw weights (here 1 each: τ_1 + τ_2)."""
+    cfg, run_dir = run
+    entries = (
+        "merge.methods=[{name: shares, merge_method: task_arithmetic},"
+        " {name: sums, merge_method: task_arithmetic, parameters: {weight: 1.0, normalize: false}}]"
+    )
+    cfg = small_config(entries, "warmup.steps=0")
+    base = load_file(run_dir / "init" / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    for entry, shift in (("shares", 0.75 * 0.1 + 0.25 * -0.2), ("sums", 0.1 - 0.2)):
+        merge_run(cfg, run_dir, entry)
+        merged = load_file(merged_dir(run_dir, entry) / "model.safetensors")
+        assert torch.allclose(merged[name], base[name] + shift, atol=1e-6)
+        assert read_manifest(merged_dir(run_dir, entry))["mergekit"]["merge_method"] == "task_arithmetic"
+    stamp = (merged_dir(run_dir, "sums") / "manifest.json").stat().st_mtime_ns
+    merge_run(cfg, run_dir, "sums")
+    assert (merged_dir(run_dir, "sums") / "manifest.json").stat().st_mtime_ns == stamp  # unchanged: kept
+    with pytest.raises(ValueError, match=r"task_arithmetic takes no parameter \['t'\]"):
+        small_config("merge.methods=[{name: bad, merge_method: task_arithmetic, parameters: {t: 0.5}}]")
+    with pytest.raises(ValueError, match="give one of 'method'"):
+        small_config("merge.methods=[{name: both, method: ties, merge_method: ties}]")

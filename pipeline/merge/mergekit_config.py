@@ -167,9 +167,6 @@ class Method:
     base: Literal["task", "pair", "optional", "input"] = "task"  # how mergekit uses base_model
     weighted: bool = True  # ``weight`` is required per model
 
-    def defaults(self) -> dict[str, Any]:
-        return dict(self.shared)
-
 
 REQUIRED = object()
 _GTA = (("lambda", 1.0), ("int8_mask", False))
@@ -442,6 +439,36 @@ class Plan:
         return tokenizer_source(self.config, [Path(m) for m in self._listed()])
 
 
+def _refuse_unknown_parameters(config: MergekitConfig) -> None:
+    """A parameter the method does not take is refused by name (mergekit would ignore a misspelt one)."""
+    method = METHODS[config.merge_method]
+    known = {*method.per_model, *(name for name, _ in method.shared)}
+    places = [("parameters", config.parameters)]
+    places += [(f"models[{i}].parameters", m.parameters) for i, m in enumerate(config.models or [])]
+    for i, out_slice in enumerate(config.slices or []):
+        places.append((f"slices[{i}].parameters", out_slice.parameters))
+        places += [(f"slices[{i}].sources[{j}].parameters", s.parameters) for j, s in enumerate(out_slice.sources)]
+    for where, parameters in places:
+        if unknown := sorted(set(parameters or {}) - known):
+            raise MergeSpecError(
+                f"{where}: {config.merge_method} takes no parameter {unknown}; it takes {sorted(known)}"
+            )
+
+
+def check_entry(merge_method: str, parameters: dict[str, Any]) -> None:
+    """A run's ``merge.methods`` entry in mergekit's terms: a method merit runs, parameters it takes."""
+    try:
+        config = MergekitConfig(merge_method=merge_method, models=[InputModel(model="branch")], parameters=parameters)
+    except ValidationError as err:
+        raise ValueError(str(err)) from None
+    if merge_method == "passthrough":
+        raise ValueError("passthrough copies one model: it is not a merge of the branches")
+    try:
+        _refuse_unknown_parameters(config)
+    except MergeSpecError as err:
+        raise ValueError(str(err)) from None
+
+
 def tokenizer_source(config: MergekitConfig, models: list[Path]) -> Path | None:
     """``tokenizer_source`` as a folder: ``base`` (the default) is the base model's, else the first
     model's, where it has tokenizer files; ``union`` needs every model's vocabulary to be the same."""
@@ -464,21 +491,43 @@ def _vocabulary(model: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in tokenizer_files(model) if not f.name.startswith("chat_template")}
 
 
-def run_config(config: MergekitConfig, out_path: str | None = None, device: str | None = None, progress: bool = True):
-    """Run a mergekit config: ``out_path`` overrides the config's; returns merit's merge report."""
+def run_config(
+    config: MergekitConfig,
+    out_path: str | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    overrides: dict[str, Any] | None = None,
+    **meta: Any,
+) -> MergeReport:
+    """Run a mergekit config: ``out_path`` overrides the config's, ``overrides`` set merit's spec keys
+    (``block_mb``, ``seed``); ``meta`` goes into the output's manifest. Returns merit's merge report."""
     out_path = out_path or config.out_path
     if out_path is None:
         raise MergeSpecError("a mergekit config names no out_path: give --out-path (mergekit-yaml's OUTPUT_PATH)")
+    _refuse_unknown_parameters(config)
     if config.merge_method == "passthrough":
         return frankenmerge(config, out_path, progress)
     plan = Plan(config, out_path)
-    spec = plan.spec.model_copy(update={"device": device} if device else {})
+    spec = plan.spec.model_copy(update=(overrides or {}) | ({"device": device} if device else {}))
     return merge_checkpoints(
         spec,
         progress,
         settings=plan.settings,
         tokenizer_from=plan.tokenizer_from(),
         mergekit=config.model_dump(mode="json", exclude_none=True),
+        **meta,
+    )
+
+
+def branch_config(
+    merge_method: str, parameters: dict[str, Any], base: Path, finals: list[Path], shares: list[float], out: Path
+) -> MergekitConfig:
+    """A run's mergekit entry over its branches: θ0 the base model, each branch weighted by its share
+    unless the parameters give a weight."""
+    weighs = "weight" in METHODS[merge_method].per_model and "weight" not in parameters
+    models = [InputModel(model=str(f), parameters={"weight": w} if weighs else None) for f, w in zip(finals, shares)]
+    return MergekitConfig(
+        merge_method=merge_method, base_model=str(base), models=models, parameters=parameters, out_path=str(out)
     )
 
 
