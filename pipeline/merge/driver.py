@@ -244,7 +244,7 @@ def merge_checkpoints(
         if tokenizer_from is not None:
             copy_tokenizer(Path(tokenizer_from), tmp)
         if spec.out_dtype:
-            _name_dtype(tmp, spec.out_dtype)
+            name_dtype(tmp, spec.out_dtype)
         if run.untied:
             _untie(tmp)
         report.tensors, report.bytes_written = len(run.plan), written.bytes_written
@@ -423,7 +423,7 @@ def _own_lm_head(reader: Any) -> bool:
     return LM_HEAD in reader.info and not embeddings_tied(reader.config())
 
 
-def _name_dtype(folder: Path, dtype: str) -> None:
+def name_dtype(folder: Path, dtype: str) -> None:
     """The output's config.json naming the dtype its tensors are written in, not the branches': what
     transformers loads the model in with ``dtype="auto"`` (every sub-config's too)."""
     path = folder / "config.json"

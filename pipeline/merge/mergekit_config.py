@@ -45,7 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pipeline.checkpoint import staged_dir, write_manifest
-from pipeline.merge.driver import MergeReport, TensorMerge, merge_checkpoints
+from pipeline.merge.driver import MergeReport, TensorMerge, merge_checkpoints, name_dtype
 from pipeline.merge.io import (
     CheckpointReader,
     TensorInfo,
@@ -570,6 +570,8 @@ def frankenmerge(config: MergekitConfig, out_path: str, progress: bool = True) -
         _write_layer_count(
             tmp, first.config(), layers, [(readers[s.sources[0].model], s.sources[0]) for s in slices], stack
         )
+        if config.out_dtype or config.dtype:
+            name_dtype(tmp, config.out_dtype or config.dtype)
         report = MergeReport(out_path=out_path, tensors=len(plan), bytes_written=written.bytes_written)
         report.total_seconds = time.perf_counter() - start
         write_manifest(
