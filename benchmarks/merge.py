@@ -10,6 +10,12 @@ never reads θ0) plus an fp32 weighted sum. It copies each tensor out of the fil
 pages' floors did; a merge reads memory-map views, so an average can beat it. Targets: the
 averages at ≥ 50 % of it, TIES and DARE at ≥ 25 %.
 
+``--width 7b`` gives the layers Qwen2.5-7B's shapes (its MLP matrices 3584 × 18944: at K = 8 their
+task vectors exceed the default block budget, so the element-wise methods take the row-block path).
+``--cache warm cold`` measures each figure with the inputs as the last run left them and again with
+them dropped from the page cache first (as a fresh machine reads them); the whole commands take
+turns in every repeat, so that a drift of the machine weighs on each alike.
+
 ``--load N`` measures everything again beside N busy processes (default: as many as this
 process has CPUs) and prints the loaded/unloaded ratio: a process that shares C cores with N
 single-threaded spinners gets C / (C + N) of them, 2× its unloaded time for N = C.

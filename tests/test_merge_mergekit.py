@@ -228,7 +228,7 @@ def test_bench_merge_times_both_commands_beside_the_whole_command_floor(capsys):
     args = ["bench", "merge", "--k", "2", "--size-mb", "1", "--repeats", "1", "--methods", "ties"]
     merit([*args, "--mergekit", mergekit_yaml])
     out = capsys.readouterr().out
-    floor = next(line for line in out.splitlines() if line.strip().startswith("floor (whole command)"))
+    floor = next(line for line in out.splitlines() if line.strip().startswith("floor (whole command, warm)"))
     over_models, with_base = (float(word) for word in floor.split() if word.replace(".", "").isdigit())
     ties = next(line.split() for line in out.splitlines() if line.strip().startswith("ties, K = 2"))
     mine, theirs, ratio, ceiling = (float(x) for x in ties[-4:])

@@ -144,22 +144,27 @@ def test_weights_per_layer_group_merge_each_group_with_its_own(branches):
     """layer_groups: 2 searches two weights per branch; the chosen merge averages the first half of
     the decoder layers with the first group's weights and the second half with the second's."""
     run = branches
-    settings = ["merge.search.layer_groups=2", "merge.search.trials=3", "merge.search.max_examples_per_source=1"]
-    assert merit(search_args(run, *settings)) == 0
-    result = json.loads((search_dir(run, "token_average") / SEARCH_RESULT).read_text())
+    entry = ["merge.methods=[{name: grouped, method: weighted_average}]", "merge.search.merge=grouped"]
+    entry += ["merge.search.params={}"]
+    settings = [*entry, "merge.search.trials=3", "merge.search.max_examples_per_source=1"]
+    try:
+        assert merit(search_args(run, *settings, "merge.search.layer_groups=2")) == 0
+    finally:  # the run's saved config back to one group: the module's other searches share the run
+        start_run(None, ["merge.search.layer_groups=1"], run)
+    result = json.loads((search_dir(run, "grouped") / SEARCH_RESULT).read_text())
     groups = result["best"]["layer_weights"]
     assert len(groups) == 2 and all(sum(g) == pytest.approx(1) for g in groups)
-    best = load_file(search_dir(run, "token_average") / "best" / "model.safetensors")
+    best = load_file(search_dir(run, "grouped") / "best" / "model.safetensors")
     finals = [load_file(branch_dir(run, k) / "final" / "model.safetensors") for k in range(2)]
     layers = 1 + max(int(n.split("layers.")[1].split(".")[0]) for n in best if ".layers." in n and "visual" not in n)
     for layer in (0, layers - 1):
         name = next(n for n in best if n.endswith(f"layers.{layer}.mlp.up_proj.weight") and "visual" not in n)
         w = groups[layer * 2 // layers]
         assert torch.allclose(best[name], w[0] * finals[0][name] + w[1] * finals[1][name], atol=1e-6)
-    cfg, _ = run_config(None, ["merge.search.enabled=true", "merge.search.layer_groups=1"], run)
+    cfg, _ = run_config(None, [*entry, "merge.search.enabled=true", "merge.search.layer_groups=1"], run)
     with pytest.raises(ValueError, match=r"another space \(layer_groups"):
         Search(cfg, run)
-    cfg, _ = run_config(None, ["merge.search.enabled=true", f"merge.search.layer_groups={layers + 1}"], run)
+    cfg, _ = run_config(None, [*entry, "merge.search.enabled=true", f"merge.search.layer_groups={layers + 1}"], run)
     with pytest.raises(ValueError, match=f"{layers + 1} groups of {layers} decoder layers"):
         Search(cfg, run)
 
