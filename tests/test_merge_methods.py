@@ -431,7 +431,9 @@ def test_the_mergekit_methods_are_odd_and_leave_inputs_untouched(method):
     "method, params",
     [(m, PARAMS_OF[m]) for m in SHARED]
     + [("multislerp", {}), ("model_stock", {"filter_wise": True}), ("model_stock", {})]
-    + [("nuslerp", {"nuslerp_flatten": False}), ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True})],
+    + [("nuslerp", {"nuslerp_flatten": False}), ("nuslerp", {"nuslerp_flatten": False, "nuslerp_row_wise": True})]
+    + [("ties", {"density": [0.2, 0.5, 0.3]}), ("dare_ties", {"density": [0.3, 0.5, 0.4], "rescale_norm": "l1"})]
+    + [("della", {"density": [0.5, 0.6, 0.7], "epsilon": 0.1, "rescale_norm": "l1"})],
 )
 def test_the_mergekit_methods_do_not_depend_on_the_block_budget(method, params):
     """A tensor over the budget is read in row blocks, once per pass: the masks, the band's bounds,

@@ -552,15 +552,17 @@ def frankenmerge(config: MergekitConfig, out_path: str, progress: bool = True) -
     dtype = OUT_DTYPES.get(config.out_dtype or config.dtype) if (config.out_dtype or config.dtype) else None
     plan = {name: TensorInfo(r.info[src].shape, dtype or r.info[src].dtype) for name, (r, src, _) in sources.items()}
 
+    sizes = {id(reader): stack_sizes(reader.info) for reader in readers.values()}  # once per model, not per tensor
+
     def produce(name: str) -> torch.Tensor:
         reader, source, parameters = sources[name]
         found = layer_of(source)
-        t = position(found[1], stack_sizes(reader.info)[found[0]]) if found else 0.0
+        t = position(found[1], sizes[id(reader)][found[0]]) if found else 0.0
         scale = resolve("scale", [parameters, config.parameters], t, tensor=source, default=None)
         tensor = reader.get(source)
         return (tensor.float() * scale if scale is not None else tensor).to(plan[name].dtype)
 
-    layers = sum(1 for s in slices for _ in _layer_indices(s.sources[0], readers, stack))
+    layers = sum(len(_layer_indices(s.sources[0], readers, stack)) for s in slices)
     with staged_dir(out_path) as tmp:
         written = stream_checkpoint(tmp, plan, produce, 2 * 1024**3, progress="passthrough" if progress else None)
         copy_aux_files(first.aux_files(), tmp)

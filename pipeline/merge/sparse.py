@@ -34,8 +34,12 @@ class Sparsified:
         if self.kept is not None:
             return self.kept
         one_block = len(self.inputs.blocks) == 1
-        if self.l1 and self.factors is None and not one_block:
-            self.factors = _l1_factors(*map(sum, zip(*(self._norms(j)[1:] for j in self.inputs.blocks))))
+        if self.l1 and self.factors is None and not one_block:  # the norms over every block first
+            before = after = 0
+            for j in self.inputs.blocks:
+                _, b, a = self._norms(j)
+                before, after = before + b, after + a
+            self.factors = _l1_factors(before, after)
         block, before, after = self._norms(i)
         if self.l1:
             block.mul_(_l1_factors(before, after) if one_block else self.factors)
