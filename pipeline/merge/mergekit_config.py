@@ -562,7 +562,7 @@ def frankenmerge(config: MergekitConfig, out_path: str, progress: bool = True) -
         tensor = reader.get(source)
         return (tensor.float() * scale if scale is not None else tensor).to(plan[name].dtype)
 
-    layers = sum(len(_layer_indices(s.sources[0], readers, stack)) for s in slices)
+    layers = sum(len(_layer_indices(s.sources[0], readers[s.sources[0].model], stack)) for s in slices)
     with staged_dir(out_path) as tmp:
         written = stream_checkpoint(tmp, plan, produce, 2 * 1024**3, progress="passthrough" if progress else None)
         copy_aux_files(first.aux_files(), tmp)
@@ -595,8 +595,8 @@ def _whole(model: InputModel) -> OutputSlice:
     return OutputSlice(sources=[InputSlice(model=model.model, layer_range=(0, size), parameters=model.parameters)])
 
 
-def _layer_indices(source: InputSlice, readers: dict[str, CheckpointReader], stack: str) -> range:
-    size = stack_sizes(readers[source.model].info).get(stack, 0)
+def _layer_indices(source: InputSlice, reader: CheckpointReader, stack: str) -> range:
+    size = stack_sizes(reader.info).get(stack, 0)
     first, last = source.layer_range
     if not 0 <= first < last <= size:
         raise MergeSpecError(f"{source.model}: layer_range {list(source.layer_range)} is not within its {size} layers")
@@ -615,7 +615,7 @@ def _passthrough_sources(
     for out_slice in slices:
         source = out_slice.sources[0]
         reader = readers[source.model]
-        for index in _layer_indices(source, readers, stack):
+        for index in _layer_indices(source, reader, stack):
             prefix = f"{stack}.{index}."
             for name in reader.info:
                 if name.startswith(prefix):
@@ -635,7 +635,7 @@ def _write_layer_count(folder: Path, config: dict, layers: int, sources: list, s
     if isinstance(text.get("layer_types"), list):
         types = []
         for reader, source in sources:
-            indices = _layer_indices(source, {source.model: reader}, stack)
+            indices = _layer_indices(source, reader, stack)
             types += [text_config(reader.config())["layer_types"][i] for i in indices]
         text["layer_types"] = types
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
