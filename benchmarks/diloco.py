@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
+import math
 import sysconfig
 import time
 import zlib
@@ -52,24 +54,56 @@ from tqdm.auto import tqdm
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.checkpoint import write_text_atomic
+from pipeline.config import TrainSection
 from pipeline.diloco import DILOCO, ISOLOCO, OuterSGD, aggregate
 from pipeline.diloco.aggregate import aggregate_deltas
 from pipeline.figures import save_figure
 from pipeline.merge import Rule
 from pipeline.merge.layout import InMemory, ModelView
-from pipeline.train.engine import lr_lambda
+from pipeline.train.engine import lr_lambda, takes_muon
 
 CONTEXT, EOD = 128, 256  # a window is CONTEXT inputs plus the shifted targets: CONTEXT + 1 ids
 HELDOUT_EVERY = 20  # a file is held out when crc32(its relative path) % 20 == 0: 1 in 20 (5 %)
 MAX_FILE_BYTES = 100_000  # larger modules (_pydecimal, turtle, inspect, ...) would dominate the stream
 BATCH, EVAL_BATCH = 8, 64
 LR, BETAS, WEIGHT_DECAY, WARMUP_RATIO, MIN_LR_RATIO = 1e-3, (0.9, 0.95), 0.1, 0.1, 0.1
-CLIP = 1.0  # max gradient norm, the trainer's default (train.clip)
+CLIP = 1.0  # max gradient norm, the trainer's default (train.clip); none under Muon, as the trainer
+MUON_LR, MUON_MOMENTUM = (
+    TrainSection.model_fields["muon_lr"].default,
+    TrainSection.model_fields["muon_momentum"].default,
+)
 MAX_THREADS = 4  # a 128-wide model gains nothing from more; the reference machine has 2 cores
-OUTER = {  # method: (outer optimizer, merge method aggregating the pseudo-gradients)
-    "diloco": (OuterSGD(**DILOCO), "weighted_average"),
-    "isoloco": (OuterSGD(**ISOLOCO), "iso_c"),
-    "average": (OuterSGD(lr=1.0, momentum=0.0), "weighted_average"),
+# (hidden, layers, intermediate): the standard setting's model, and the smaller one of the bench at
+# the IsoLoCo paper's scale (R up to 128 workers in one process: its steps are 4× cheaper).
+MODELS = {"0.85M": (128, 4, 384), "0.13M": (64, 2, 192)}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A DiLoCo method: the workers' inner optimizer, the merge rules aggregating their
+    pseudo-gradients (the first matching wins) and the outer step."""
+
+    outer: OuterSGD
+    rules: tuple[Rule, ...]
+    inner: str = "adamw"  # or "muon": Muon on the hidden matrices, AdamW on the rest
+
+
+def every(method: str, **params) -> tuple[Rule, ...]:
+    return (Rule(pattern="*", method=method, params=params),)
+
+
+NS = {"orthogonaliser": "newton_schulz"}
+# The seed article's hybrid: the embeddings (and the untied lm_head) averaged, every other tensor Iso-C.
+HYBRID = tuple(Rule(pattern=p, method="weighted_average") for p in ("*embed_tokens*", "lm_head*")) + every("iso_c")
+METHODS = {
+    "diloco": Method(OuterSGD(**DILOCO), every("weighted_average")),
+    "isoloco": Method(OuterSGD(**ISOLOCO), every("iso_c")),
+    "average": Method(OuterSGD(lr=1.0, momentum=0.0), every("weighted_average")),
+    "isoc-sgd": Method(OuterSGD(lr=1.0, momentum=0.0), every("iso_c")),  # Iso-C, a plain SGD outer step
+    "isoloco-ns": Method(OuterSGD(**ISOLOCO), every("iso_c", **NS)),
+    "muloco": Method(OuterSGD(**DILOCO), every("weighted_average"), inner="muon"),
+    "isoloco-muon": Method(OuterSGD(**ISOLOCO), every("iso_c"), inner="muon"),
+    "hybrid": Method(OuterSGD(**ISOLOCO), HYBRID),
 }
 
 
@@ -117,16 +151,17 @@ def load_corpus(root: Path | None = None) -> Corpus:
     return Corpus(windows(train), windows(heldout), kept, held, sum(map(len, train)), sum(map(len, heldout)), root)
 
 
-def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+def tiny_qwen2(seed: int = 0, size: str = "0.85M") -> Qwen2ForCausalLM:
     """θ0, seeded: every method and every rerun starts from the same weights."""
     torch.manual_seed(seed)
+    hidden, layers, intermediate = MODELS[size]
     config = Qwen2Config(
         vocab_size=EOD + 1,
-        hidden_size=128,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=384,
+        intermediate_size=intermediate,
         tie_word_embeddings=False,
         max_position_embeddings=CONTEXT,
     )
@@ -160,14 +195,29 @@ def shard_batches(n_windows: int, workers: int, seed: int, batch: int = BATCH) -
     return [epochs(torch.arange(k, n_windows, workers), batch, seed + k) for k in range(workers)]
 
 
+def inner_optimizers(model: torch.nn.Module, inner: str) -> list[torch.optim.Optimizer]:
+    """AdamW on every tensor; or, for ``muon``, torch's Muon (Keller Jordan's lr 0.02, Nesterov
+    momentum 0.95, 5 Newton–Schulz steps, the update scaled by √max(1, rows/cols)) on the tensors the
+    trainer gives Muon (:func:`pipeline.train.engine.takes_muon`) and AdamW on the others."""
+    named = list(model.named_parameters())
+    if inner == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)]
+    muon, rest = [p for n, p in named if takes_muon(n, p)], [p for n, p in named if not takes_muon(n, p)]
+    return [
+        torch.optim.Muon(muon, lr=MUON_LR, momentum=MUON_MOMENTUM, weight_decay=WEIGHT_DECAY),
+        torch.optim.AdamW(rest, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY),
+    ]
+
+
 class Learner:
-    """A model with its own AdamW and schedule over the whole run: one DiLoCo worker (its
+    """A model with its own inner optimizer and schedule over the whole run: one DiLoCo worker (its
     optimizer state persists across rounds) or the data-parallel model."""
 
-    def __init__(self, model: Qwen2ForCausalLM, steps: int):
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
+    def __init__(self, model: Qwen2ForCausalLM, steps: int, inner: str = "adamw"):
+        self.model, self.clip = model, CLIP if inner == "adamw" else math.inf
+        self.optimizers = inner_optimizers(model, inner)
+        factor = lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
 
     def train(self, batches: Iterable[torch.Tensor]) -> list[float]:
         """One step a batch; returns the gradient norms before clipping."""
@@ -175,10 +225,11 @@ class Learner:
         norms = []
         for batch in batches:
             lm_loss(self.model, batch).backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)))
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)))
+            for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
         return norms
 
 
@@ -194,16 +245,18 @@ class LoraLearner(Learner):
         model = copy.deepcopy(model0)
         targets = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head")
         get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))  # in place
-        self.model = model
+        self.model, self.clip = model, CLIP
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
+        self.optimizers = [torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(self.optimizers[0], lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
+        ]
         self.weights = LoraWeights.of(model, ModelView(InMemory(model0.state_dict()), model0.config.to_dict()))
 
     def start_round(self, theta: dict[str, torch.Tensor], seed: int) -> None:
         """The global's weights under a fresh adapter, its moments from zero."""
         self.weights.set_base(theta)
-        self.weights.fresh_adapters(seed, self.optimizer)
+        self.weights.fresh_adapters(seed, self.optimizers[0])
 
     @property
     def payload_bytes(self) -> int:
@@ -238,24 +291,26 @@ def run_diloco(
     seed: int = 0,
     compression: str = "none",
     lora_rank: int | None = None,
+    streams: list[Iterator[torch.Tensor]] | None = None,
 ) -> Run:
     """R workers, H inner steps each from the global weights, then the library's outer step (the
     pseudo-gradients compressed as sent, with error feedback when compressed). With ``lora_rank``
-    the workers train a fresh LoRA adapter each round and send its factors (fp32)."""
+    the workers train a fresh LoRA adapter each round and send its factors (fp32). ``streams``:
+    each worker's batches (default: its iid shard, batches of 8)."""
     from pipeline.diloco.lora import round_seed
 
     if lora_rank is not None and compression != "none":
         raise ValueError("LoRA workers send their adapter's factors in fp32 here: compression none")
-    outer, merge_method = OUTER[method]
-    rules = [Rule(pattern="*", method=merge_method)]
+    chosen = METHODS[method]
+    outer, rules = chosen.outer, list(chosen.rules)
     run = Run(copy.deepcopy(model0))
     theta = run.model.state_dict()  # the global model's own tensors: aggregate steps them in place
     steps = inner_steps * rounds
     if lora_rank is None:
-        learners = [Learner(copy.deepcopy(model0), steps=steps) for _ in range(workers)]
+        learners = [Learner(copy.deepcopy(model0), steps, chosen.inner) for _ in range(workers)]
     else:
         learners = [LoraLearner(model0, steps, lora_rank) for _ in range(workers)]
-    streams = shard_batches(len(train), workers, seed)
+    streams = streams or shard_batches(len(train), workers, seed)
     momentum: dict[str, torch.Tensor] = {}
     residuals = None if compression == "none" else [{} for _ in range(workers)]
     kind = compression if lora_rank is None else f"LoRA r{lora_rank}"
@@ -301,15 +356,19 @@ def run_dp(
     inner_steps: int,
     rounds: int,
     seed: int = 0,
+    batches: Iterator[torch.Tensor] | None = None,
 ) -> Run:
-    """One model, batches of R × 8 (the workers' batches of the same step), evaluated every H steps."""
+    """One model, evaluated every H steps, on ``batches`` (default: batches of R × 8, the workers'
+    batches of the same step)."""
     learner = Learner(copy.deepcopy(model0), steps=inner_steps * rounds)
     run = Run(learner.model)
-    streams = shard_batches(len(train), workers, seed)
+    if batches is None:
+        streams = shard_batches(len(train), workers, seed)
+        batches = (torch.cat([next(s) for s in streams]) for _ in itertools.count())
     step_bytes = 2 * (workers - 1) * 4 * sum(p.numel() for p in model0.parameters())
     for _ in tqdm(range(rounds), desc=f"R={workers} dp", unit="round", leave=False):
         start = time.perf_counter()
-        learner.train(train[torch.cat([next(s) for s in streams])] for _ in range(inner_steps))
+        learner.train(train[next(batches)] for _ in range(inner_steps))
         run.record(heldout, step_bytes * inner_steps, mean_cosine=None, train_seconds=time.perf_counter() - start)
     return run
 
@@ -430,7 +489,9 @@ def write_results(
             "min": MIN_LR_RATIO,
             "max_grad_norm": CLIP,
         },
-        "outer": {m: o.model_dump() | {"aggregate": a} for m, (o, a) in OUTER.items()},
+        "outer": {
+            m: METHODS[m].outer.model_dump() | {"aggregate": rules_text(METHODS[m])} for m in args.methods if m != "dp"
+        },
         "batch_per_worker": BATCH,
         "inner_steps": args.inner_steps,
         "rounds": args.rounds,
@@ -451,22 +512,46 @@ def write_results(
     write_text_atomic(out / "results.json", json.dumps(figures, indent=1))
 
 
+def rules_text(method: Method) -> str:
+    """The method's merge rules in words: ``iso_c`` or ``*embed_tokens*: weighted_average, …, *: iso_c``."""
+    if len(method.rules) == 1 and method.rules[0].pattern == "*":
+        return method.rules[0].method
+    return ", ".join(f"{r.pattern}: {r.method}" for r in method.rules)
+
+
 def lora_ranks(args: argparse.Namespace) -> list[int]:
     return list(getattr(args, "lora_rank", None) or [])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[4], help="numbers of workers R")
-    parser.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
-    parser.add_argument("--rounds", type=int, default=20, help="outer rounds (T)")
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        nargs="+",
+        default=[30],
+        help="inner steps per round (H; several with --global-batch)",
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="outer rounds (T; with --global-batch: --steps / H)")
     parser.add_argument(
         "--methods",
         nargs="+",
-        choices=["dp", "diloco", "isoloco", "average"],
+        choices=["dp", *METHODS],
         default=None,
-        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0); default: all four, "
-        "with --slow: diloco (--slow runs diloco and average)",
+        help="dp (data-parallel baseline), diloco, isoloco, average (outer η 1, μ 0), isoc-sgd (Iso-C, outer η 1, "
+        "μ 0), isoloco-ns (Newton–Schulz Iso-C), muloco and isoloco-muon (Muon inside), hybrid (embeddings "
+        "averaged, the rest Iso-C); default: dp, diloco, isoloco, average, with --slow: diloco",
     )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        metavar="G",
+        help="the bench at the IsoLoCo paper's scale: G windows a step split among the R workers (G / R each), "
+        "the data-parallel baseline one run of batch G for every R, --steps inner steps in all at every H, "
+        "each (method, R, H) a cell saved apart in --out and skipped when rerun",
+    )
+    parser.add_argument("--steps", type=int, default=240, help="with --global-batch: inner steps T·H of every cell")
+    parser.add_argument("--model", choices=list(MODELS), default="0.85M", help="the model's size (parameters)")
     parser.add_argument(
         "--compression",
         nargs="+",
@@ -507,6 +592,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     if args.methods is None:
         args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
+    if args.global_batch:  # the paper's scale: cells of (method, R, H), resumable
+        from benchmarks.diloco_scale import main as at_scale
+
+        at_scale(args)
+        return
+    if len(args.inner_steps) != 1:
+        raise SystemExit("merit: error: several --inner-steps need --global-batch")
+    args.inner_steps = args.inner_steps[0]
     if args.slow:  # stragglers: the workers as processes, the sync modes compared in wall time
         if args.lora_rank:
             raise SystemExit("merit: error: --lora-rank is for the bench without --slow")
@@ -516,7 +609,7 @@ def main(args: argparse.Namespace) -> None:
         return
     torch.set_num_threads(min(MAX_THREADS, torch.get_num_threads()))
     corpus = load_corpus()
-    model0 = tiny_qwen2()
+    model0 = tiny_qwen2(size=args.model)
     params = sum(p.numel() for p in model0.parameters())
     print(
         f"corpus: {len(corpus.train_files) + len(corpus.heldout_files)} stdlib modules, "

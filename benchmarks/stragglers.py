@@ -87,7 +87,7 @@ from tqdm.auto import tqdm
 from benchmarks.diloco import (
     BATCH,
     CONTEXT,
-    OUTER,
+    METHODS,
     Corpus,
     Learner,
     heldout_loss,
@@ -100,11 +100,11 @@ from pipeline.checkpoint import write_text_atomic
 from pipeline.diloco.aggregate import AsyncOuter
 from pipeline.diloco.compress import compress_with_feedback, decompress, payload_bytes
 from pipeline.figures import save_figure
-from pipeline.merge import Rule, merge_state_dicts
+from pipeline.merge import merge_state_dicts
 from pipeline.train.lifetime import die_with_parent
 
 MODES = ("sync", "quorum-drop", "quorum-discount", "async")
-METHODS = ("diloco", "average")  # those with a per-arrival form
+ARRIVAL_METHODS = ("diloco", "average")  # those with a per-arrival form
 START_METHOD = "forkserver"
 POLL_S = 1.0  # how often a waiting server checks that its workers are alive
 
@@ -183,7 +183,7 @@ def _serve(k: int, train: torch.Tensor, heldout: torch.Tensor, inbox, outbox, ve
             return
         if kind == "reset":
             setting, drop_late = Setting(**message[1]), message[2]
-            learner = Learner(tiny_qwen2(), steps=setting.inner_steps * setting.rounds)
+            learner = Learner(tiny_qwen2(), setting.inner_steps * setting.rounds)
             stream = shard_batches(len(train), setting.workers, setting.seed)[k]
             residual = None if setting.compression == "none" else {}
             slow, n = setting.slow.get(k, 1.0), 0
@@ -414,8 +414,7 @@ def launch(pool: Pool, theta: dict[str, torch.Tensor], R: int, H: int) -> tuple[
 def run_rounds(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor], mode: str) -> ModeRun:
     """``sync`` (a quorum of R) or ``quorum-drop`` / ``quorum-discount`` (a quorum of Q; the rule
     for a late payload)."""
-    outer, merge = OUTER[setting.method]
-    rules = [Rule(pattern="*", method=merge)]
+    outer, rules = METHODS[setting.method].outer, list(METHODS[setting.method].rules)
     R, H, T = setting.workers, setting.inner_steps, setting.rounds
     quorum, rule = (R, "drop") if mode == "sync" else (setting.quorum, mode.removeprefix("quorum-"))
     theta, momentum = clone(theta0), {}
@@ -487,7 +486,7 @@ def dylu_steps(inner_steps: int, speeds: dict[int, float], k: int) -> int:
 
 def run_async(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor]) -> ModeRun:
     """Every payload applied as it arrives (AsyncOuter, window R, each weighing 1 / R); DyLU steps."""
-    outer, _ = OUTER[setting.method]
+    outer = METHODS[setting.method].outer
     R, H, T = setting.workers, setting.inner_steps, setting.rounds
     theta = clone(theta0)
     server = AsyncOuter(theta, outer, window=R)
@@ -594,13 +593,13 @@ def run_bench(
 
 
 def check_setting(setting: Setting) -> None:
-    if setting.method not in METHODS:
+    if setting.method not in ARRIVAL_METHODS:
         why = (
             "Iso-C aggregates several payloads at once and has no per-arrival form"
             if setting.method == "isoloco"
             else "data-parallel has no rounds to straggle in"
         )
-        raise SettingError(f"--slow runs {' and '.join(METHODS)}, not {setting.method}: {why}")
+        raise SettingError(f"--slow runs {' and '.join(ARRIVAL_METHODS)}, not {setting.method}: {why}")
     if not 1 <= setting.quorum <= setting.workers:
         raise SettingError(f"--quorum {setting.quorum}: needs 1 ≤ Q ≤ R = {setting.workers}")
     if setting.workers < 2:
@@ -715,7 +714,7 @@ def _main(args: argparse.Namespace) -> None:
             name = f"stragglers-{setting.method}" + ("" if setting.compression == "none" else f"-{setting.compression}")
             sync_wall = result["modes"]["sync"]["wall_seconds"] if "sync" in result["modes"] else None
             result["setting"] = asdict(setting) | {
-                "outer": OUTER[setting.method][0].model_dump(),
+                "outer": METHODS[setting.method].outer.model_dump(),
                 "batch_per_worker": BATCH,
                 "modes": list(result["modes"]),
                 "wall_seconds": "from θ0 sent to the last outer step (T rounds, R·T arrivals in async)",

@@ -254,6 +254,12 @@ class TrainSection(Section):
     # refuse to train, false. Never transformers' Hub kernels.
     liger_kernel: bool | Literal["auto"] = "auto"
     fused_optimizer: bool = True  # torch's fused AdamW (one kernel for every tensor), else its default
+    # The inner optimizer: AdamW, or Muon (DeepSpeed's, under ZeRO-0/2/3) on the hidden 2-D weight
+    # matrices with AdamW (lr, betas) on the rest: embeddings, lm_head, norms, biases, the vision
+    # tower's patch embedding. No gradient clipping under Muon (docs/concepts/training.md).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = Field(0.02, gt=0)  # Muon's lr (Keller Jordan's; spectral-norm units per step)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)  # Muon's Nesterov momentum
     lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.0, ge=0)
@@ -295,6 +301,14 @@ class TrainSection(Section):
                 if isinstance(value, str) and (key == "additional_target" or value not in ("all", "experts")):
                     data = data | {key: [v.strip() for v in value.split(",") if v.strip()]}
         return data
+
+    @model_validator(mode="after")
+    def _muon_full(self) -> TrainSection:
+        if self.optimizer == "muon" and self.finetuning_type == "lora":
+            # Muon orthogonalises the update of a weight matrix; an adapter's thin factors B and A
+            # are not the matrices whose update it is meant to shape.
+            raise ValueError("train.optimizer muon is for full fine-tuning (finetuning_type full), not LoRA")
+        return self
 
     @model_validator(mode="after")
     def _expert_lora(self) -> TrainSection:

@@ -40,6 +40,7 @@ from pipeline.diloco.rounds import records as round_records
 from pipeline.diloco.worker import _keep, wait_for_global
 from pipeline.merge import CheckpointReader, Rule
 from pipeline.merge.linalg import iso
+from pipeline.report.collect import diloco_runs, inner_optimizer
 from pipeline.report.diloco import summary_row
 from pipeline.train import train_branch
 
@@ -419,6 +420,10 @@ def test_the_report_row_of_a_variant_states_overhead_bytes_and_left_out_workers(
     assert summary_row(run | {"compression": "int4"}, models)["payload"] == "dense int4"
     assert summary_row(run | {"lora_rank": 8, "compression": "bf16"}, models)["payload"] == "LoRA r8 bf16"
     assert row["sent_per_worker_round"] == round(300 / 4) and row["read_per_aggregator_round"] == 250
+    assert row["inner"] == "AdamW"
+    muon = {"optimizer": "muon", "muon_lr": 0.02, "muon_momentum": 0.95, "lr": 1e-3}
+    assert inner_optimizer(muon) == "Muon lr 0.02, μ 0.95 + AdamW lr 0.001"
+    assert summary_row(run | {"inner": inner_optimizer(muon)}, models)["inner"].startswith("Muon lr 0.02")
 
 
 def test_shards_are_iid_slices_the_split_groups_random_groups_or_given_ones(tmp_path):
@@ -530,6 +535,28 @@ def test_the_round_loop_runs_from_python_without_prefect(diloco_run):
     (record,) = round_records(plan)
     assert record["workers"] == [0, 1] and record["aggregators"] == 2 and record["failures"] == {}
     AutoModelForImageTextToText.from_pretrained(global_dir(plan, 1))
+
+
+def test_muon_workers_keep_their_optimizer_state_across_rounds(diloco_run):
+    """MuLoCo: DiLoCo with Muon inside (``train.optimizer: muon``), two rounds of two workers; the
+    report's row names the inner optimizer."""
+    _, run_dir = diloco_run
+    settings = ["diloco.workers=2", "diloco.rounds=2", "diloco.inner_steps=2", "diloco.eval_every=0"]
+    cfg = load_config(run_dir / "config.yaml", [*settings, "train.micro_batch=4", "train.optimizer=muon"])
+    entry = DilocoMethod(name="muloco", method="weighted_average", outer_lr=0.7, outer_momentum=0.9)
+    plan = diloco_plan(cfg, run_dir, entry)
+    run_rounds(cfg, str(run_dir), plan)
+    assert [r["workers"] for r in round_records(plan)] == [[0, 1], [0, 1]]
+    worker = Path(plan.workers[0].out_dir)
+    assert "Muon on " in (worker / "train.log").read_text()
+    # the second round resumed the worker's Muon momenta (its checkpoint), not fresh ones
+    steps = [json.loads(line)["step"] for line in (worker / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    theta0, final = CheckpointReader(plan.init), CheckpointReader(global_dir(plan, 2))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(theta0.get(name), final.get(name))
+    (run,) = [r for r in diloco_runs(run_dir) if r["variant"] == plan.variant]
+    assert run["inner"] == f"Muon lr 0.02, μ 0.95 + AdamW lr {cfg.train.lr:g}"
 
 
 def test_a_round_recovered_after_a_kill_is_recorded_as_the_flow_records_it(diloco_run, tmp_path):

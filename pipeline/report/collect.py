@@ -288,6 +288,13 @@ def control(name: str, folder: Path) -> Control:
     return Control(name, cfg, models, read_json(folder / EVAL / DIAGNOSTICS), benchmark_scores(cfg, folder, models))
 
 
+def inner_optimizer(train: dict[str, Any]) -> str:
+    """A worker's inner optimizer in words, with its lrs (a ``train`` section as saved)."""
+    if train.get("optimizer", "adamw") == "muon":
+        return f"Muon lr {train['muon_lr']:g}, μ {train['muon_momentum']:g} + AdamW lr {train['lr']:g}"
+    return f"AdamW lr {train['lr']:g}"
+
+
 def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
     """Every DiLoCo variant (``diloco/<method>-<shards>/``) with at least one round: its plan's
     settings and its rounds' records."""
@@ -309,6 +316,7 @@ def diloco_runs(run_dir: Path) -> list[dict[str, Any]]:
                 "rounds": plan["rounds"],
                 "compression": plan["compression"],
                 "lora_rank": train["lora_rank"] if train.get("finetuning_type") == "lora" else None,
+                "inner": inner_optimizer(train),
                 "sync": plan.get("sync", "sync"),
                 "records": json.loads(rounds.read_text()),
             }

@@ -28,6 +28,7 @@ def summary_row(run: dict[str, Any], models: dict[str, dict[str, Any]]) -> dict[
     return {
         "variant": run["variant"],
         "method": run["method"],
+        "inner": run.get("inner", "AdamW"),
         "outer": run["outer"],
         "R": run["workers"],
         "H": run["inner_steps"],
@@ -68,6 +69,7 @@ def payload_kind(run: dict[str, Any]) -> str:
 COLUMNS = {
     "variant": "variant",
     "method": "aggregator",
+    "inner": "inner optimizer",
     "outer": "outer step",
     "R": "R",
     "H": "H",

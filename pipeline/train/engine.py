@@ -84,12 +84,37 @@ def deepspeed_config(t: TrainSection, world: int, dtype: torch.dtype) -> dict[st
     if config.get("bf16", {}).get("enabled") == "auto":
         config["bf16"]["enabled"] = dtype == torch.bfloat16
     micro = 1 if t.packing else t.micro_batch  # a packed micro batch is one row
-    return config | {
+    config |= {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": t.grad_accum,
         "train_batch_size": micro * t.grad_accum * world,
         "gradient_clipping": t.clip,
     }
+    return with_muon(config, t) if t.optimizer == "muon" else config
+
+
+def with_muon(config: dict[str, Any], t: TrainSection) -> dict[str, Any]:
+    """DeepSpeed's Muon (``MuonWithAuxAdam``): Muon on the tensors DeepSpeed tags ``use_muon`` (see
+    :func:`muon_split`), AdamW on the others. torch's own ``torch.optim.Muon`` steps only ZeRO-0:
+    ZeRO-2/3 hand the optimizer flat partitions ("Param gradient must be a 2D matrix"), whereas
+    DeepSpeed orthogonalises whole matrices under ZeRO-0/2/3 and the three agree to the last
+    digit on a step without clipping. With clipping they do not: ZeRO-2/3 clip the orthogonalised
+    update, ZeRO-0 the gradient; Muon's step size is its lr, so clipping is off under Muon at
+    every stage. ZeRO-3's Muon needs the gradients all-reduced, not reduce-scattered."""
+    config = config | {"gradient_clipping": 0.0}
+    config["optimizer"] = {
+        "type": "Muon",
+        "params": {
+            "muon_lr": t.muon_lr,
+            "momentum": t.muon_momentum,
+            "adam_lr": t.lr,
+            "betas": list(t.betas),
+            "weight_decay": t.weight_decay,
+        },
+    }
+    if config.get("zero_optimization", {}).get("stage") == 3:
+        config["zero_optimization"] = config["zero_optimization"] | {"reduce_scatter": False}
+    return config
 
 
 def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
@@ -104,13 +129,43 @@ def lr_lambda(steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
-def make_optimizer(model: torch.nn.Module, t: TrainSection) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the trainable parameters, linear warm-up then cosine decay (per optimizer step);
-    torch's fused AdamW (one kernel over every tensor) unless ``train.fused_optimizer`` is off."""
+def schedule(t: TrainSection):
+    """Linear warm-up then cosine decay, per optimizer step, of every parameter group's lr."""
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio)
+    )
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer | None:
+    """AdamW over the trainable parameters, torch's fused AdamW (one kernel over every tensor) unless
+    ``train.fused_optimizer`` is off; None for Muon, which DeepSpeed builds from its config."""
+    if t.optimizer == "muon":
+        if not torch.cuda.is_available():
+            # DeepSpeed wraps Muon's Newton–Schulz in torch.compile; on a CPU inductor builds C++
+            # for every matrix shape (98 s before a 2-layer toy's first step), so CPU ranks run it eager.
+            torch._dynamo.config.disable = True
+        return None
     trainable = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if t.fused_optimizer else {}
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, **fused)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_ratio, t.min_lr_ratio))
+    return torch.optim.AdamW(trainable, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, **fused)
+
+
+def takes_muon(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's rule for the tensors Muon steps, for optimizers built outside DeepSpeed (the
+    benchmarks): two or more dimensions (a ZeRO-3 partition's full shape) and no ``embed`` nor
+    ``lm_head`` in the name."""
+    shape = getattr(param, "ds_shape", param.shape)
+    return len(shape) >= 2 and not any(part in name.lower() for part in ("embed", "lm_head"))
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The trainable tensors Muon steps and those AdamW steps, by name, as DeepSpeed tagged them
+    (``use_muon``): Muon takes every tensor of two or more dimensions whose name holds neither
+    ``embed`` nor ``lm_head`` (the hidden weight matrices of the decoder, the vision blocks and the
+    projector; a mixture of experts' fused experts, each expert its own matrix), AdamW the
+    embeddings, ``lm_head``, norms, biases and the vision tower's patch embedding."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, p in trainable if p.use_muon], [n for n, p in trainable if not p.use_muon]
 
 
 @dataclass
@@ -124,7 +179,9 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The lr of the AdamW parameters (train.lr, scheduled); Muon's follows the same schedule."""
+        groups = self.scheduler.optimizer.param_groups
+        return next(g["lr"] for g in groups if not g.get("use_muon"))
 
 
 def load_for_training(spec: BranchSpec) -> Any:
@@ -158,12 +215,23 @@ def build_engine(spec: BranchSpec, world: int) -> Engine:
             f"{summary['trainable_parameters']:,} trainable parameters",
             flush=True,
         )
-    optimizer, scheduler = make_optimizer(model, spec.train)
-    engine, *_ = deepspeed.initialize(
-        model=SupervisedLoss(model, spec.train.loss_chunk), optimizer=optimizer, lr_scheduler=scheduler, config=config
+    optimizer = make_optimizer(model, spec.train)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=SupervisedLoss(model, spec.train.loss_chunk),
+        optimizer=optimizer,
+        model_parameters=[p for p in model.parameters() if p.requires_grad] if optimizer is None else None,
+        lr_scheduler=schedule(spec.train),
+        config=config,
     )
-    if zero3 is not None and int(os.environ.get("RANK", 0)) == 0:
-        print(f"branch {spec.name}: {partitioned(model, engine.zero_param_persistence_threshold())}", flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        if zero3 is not None:
+            print(f"branch {spec.name}: {partitioned(model, engine.zero_param_persistence_threshold())}", flush=True)
+        if spec.train.optimizer == "muon":
+            muon, adamw = muon_split(model)
+            print(
+                f"branch {spec.name}: Muon on {len(muon)} tensors, AdamW on {len(adamw)}; no gradient clipping",
+                flush=True,
+            )
     return Engine(engine, model, load_processor(spec.init, cfg.model), scheduler, zero3, peft)
 
 

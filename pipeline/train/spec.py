@@ -67,7 +67,7 @@ class BranchSpec(BaseModel):
         """What the branch's weights depend on: θ0's identity, the sources and every setting that
         changes a number (not the timeout, the checkpoint interval or how the work is done)."""
         cfg = self.config
-        train = cfg.train.model_dump(mode="json", exclude=NOT_IN_DIGEST | self._unused_lora_settings())
+        train = cfg.train.model_dump(mode="json", exclude=NOT_IN_DIGEST | self._unused_settings())
         inputs = {
             "init": checkpoint_id(self.init),
             "sources": self.sources,
@@ -77,16 +77,19 @@ class BranchSpec(BaseModel):
         }
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
-    def _unused_lora_settings(self) -> set[str]:
-        """A full fine-tune's LoRA settings change nothing (and digests stay as they were before
-        LoRA existed)."""
-        if self.train.finetuning_type == "lora":
-            return set()
-        return {
-            "finetuning_type",
-            "additional_target",
-            *(k for k in TrainSection.model_fields if k.startswith("lora_")),
-        }
+    def _unused_settings(self) -> set[str]:
+        """A full fine-tune's LoRA settings and AdamW's Muon settings change nothing (and digests
+        stay as they were before LoRA and Muon existed)."""
+        unused = set()
+        if self.train.finetuning_type != "lora":
+            unused |= {
+                "finetuning_type",
+                "additional_target",
+                *(k for k in TrainSection.model_fields if k.startswith("lora_")),
+            }
+        if self.train.optimizer != "muon":
+            unused |= {"optimizer", *(k for k in TrainSection.model_fields if k.startswith("muon_"))}
+        return unused
 
     def validate_inputs(self) -> None:
         """Everything that can be checked before launching processes: fail in seconds, not later."""
