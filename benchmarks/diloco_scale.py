@@ -124,13 +124,24 @@ def run_cell(method: str, workers: int, inner_steps: int, model0, corpus: Corpus
     }
 
 
-def load_cells(folder: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))}
+def run_cells(out: Path, todo: list[tuple[str, int, int]], model0, corpus: Corpus, args: argparse.Namespace) -> dict:
+    """Every (method, R, H) of ``todo`` not yet in ``out/cells/`` run and saved there (each as soon as
+    it ends: an interrupted table keeps its finished cells); returns every cell of the folder."""
+    (out / "cells").mkdir(exist_ok=True)
+    have = {p.stem: json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))}
+    for method, workers, inner_steps in tqdm(todo, desc="cells", unit="cell"):
+        name = cell_name(method, workers, inner_steps)
+        if name in have:
+            continue
+        have[name] = run_cell(method, workers, inner_steps, model0, corpus, args)
+        write_text_atomic(out / "cells" / f"{name}.json", json.dumps(have[name], indent=1))
+        tqdm.write(f"{name}: held-out loss {have[name]['final_loss']:.4f} ({have[name]['wall_seconds']:.0f} s)")
+    return have
 
 
 def check_folder(out: Path, wanted: dict) -> None:
     """Record the setting, or refuse a folder whose cells were measured in another one."""
-    path = out / "setting.json"
+    path, wanted = out / "setting.json", json.loads(json.dumps(wanted))  # as saved: tuples are lists
     if path.is_file() and (have := json.loads(path.read_text())) != wanted:
         changed = sorted(k for k in wanted.keys() | have.keys() if wanted.get(k) != have.get(k))
         raise SystemExit(
@@ -239,7 +250,6 @@ def main(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = setting(args, corpus, params)
     check_folder(out, wanted)
-    (out / "cells").mkdir(exist_ok=True)
     inners = {METHODS[m].inner for m in args.methods if m != "dp"} or {"adamw"}
     memory = max(worker_bytes(model0, i) for i in inners) * max(args.workers)
     print(
@@ -247,16 +257,10 @@ def main(args: argparse.Namespace) -> None:
         f"({G * CONTEXT:,} tokens), {args.steps} steps in all, {torch.get_num_threads()} threads; "
         f"R = {max(args.workers)} workers hold {memory / 2**20:,.0f} MiB (weights, gradients, optimizer state)"
     )
-    todo = ["dp"] + [(m, r, h) for m in args.methods if m != "dp" for r in args.workers for h in args.inner_steps]
-    have = load_cells(out)
-    for cell in tqdm(todo, desc="cells", unit="cell"):
-        method, workers, inner_steps = ("dp", None, None) if cell == "dp" else cell
-        name = cell_name(method, workers, inner_steps)
-        if name in have:
-            continue
-        have[name] = run_cell(method, workers, inner_steps, model0, corpus, args)
-        write_text_atomic(out / "cells" / f"{name}.json", json.dumps(have[name], indent=1))
-        tqdm.write(f"{name}: held-out loss {have[name]['final_loss']:.4f} ({have[name]['wall_seconds']:.0f} s)")
+    todo = [("dp", 1, 1)] + [
+        (m, r, h) for m in args.methods if m != "dp" for r in args.workers for h in args.inner_steps
+    ]
+    have = run_cells(out, todo, model0, corpus, args)
     print(f"\nθ0: held-out loss {heldout_loss(model0, corpus.heldout):.4f}")
     print(write_results(out, wanted, have))
     print(f"outputs: {out / 'results.json'}, {out / 'degradation_vs_R.png'}, {out / 'degradation_vs_H.png'}")

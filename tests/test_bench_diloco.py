@@ -3,6 +3,7 @@ round of plain averaging, checked against the workers' weights averaged by hand;
 aggregators``' bytes against their arithmetic; ``merit bench diloco --slow``'s sync modes with a
 really slow worker process."""
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,7 +82,8 @@ def test_lora_workers_move_only_their_adapted_tensors_by_a_low_rank_step_and_sen
     learner.start_round(global_model.state_dict(), seed=1)
     batch = heldout[:2]
     assert torch.allclose(lm_loss(learner.model, batch), lm_loss(global_model, batch), atol=1e-6)  # B = 0
-    states = [learner.optimizer.state[p] for p in learner.optimizer.param_groups[0]["params"]]
+    optimizer = learner.optimizers[0]
+    states = [optimizer.state[p] for p in optimizer.param_groups[0]["params"]]
     assert all(int(s["step"]) == 2 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
 
 
@@ -96,10 +98,99 @@ def test_a_learner_clips_its_gradients_before_each_step():
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
 
-    learner.optimizer.register_step_pre_hook(before_step)
+    learner.optimizers[0].register_step_pre_hook(before_step)
     batch = torch.randint(0, EOD + 1, (2, CONTEXT + 1), generator=torch.Generator().manual_seed(0))
     norms = learner.train([batch, batch])
     assert min(norms) > 10 * CLIP and seen == pytest.approx([CLIP, CLIP], rel=1e-4)
+
+
+def test_a_muon_learner_steps_the_hidden_matrices_with_torchs_muon_and_the_rest_with_adamw():
+    """MuLoCo's workers: torch's Muon on the tensors the trainer gives DeepSpeed's Muon, AdamW on the
+    embeddings, lm_head and norms; no clipping (the step of a Muon matrix is its lr, whatever the
+    gradient's norm), every tensor moved by a step."""
+    model = tiny_qwen2(size="0.13M")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    learner = Learner(model, steps=4, inner="muon")
+    muon, adamw = learner.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    took = sorted(names[id(p)] for p in muon.param_groups[0]["params"])
+    assert took == sorted(n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("model.layers."))
+    assert {names[id(p)] for p in adamw.param_groups[0]["params"]} >= {"model.embed_tokens.weight", "lm_head.weight"}
+    batch = torch.randint(0, EOD + 1, (2, CONTEXT + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # gradients far above the trainer's clip
+    before["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    assert learner.train([batch])[0] > 10 * CLIP
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # Muon's step on a matrix: lr × √max(1, rows/cols) × an orthogonal matrix, after weight decay
+    weight = model.get_parameter(took[0])
+    step = (before[took[0]] * (1 - muon.param_groups[0]["lr"] * 0.1) - weight.detach()) / muon.param_groups[0]["lr"]
+    singular = torch.linalg.svdvals(step / math.sqrt(max(1, step.shape[0] / step.shape[1])))
+    assert singular.min() > 0.5 and singular.max() < 1.5  # Newton–Schulz's approximate orthogonality
+
+
+def test_a_global_batch_is_split_among_the_workers_whatever_r():
+    """Every method sees the same windows in the same steps: worker k of R takes the k-th, (k + R)-th,
+    … of the step's G windows, so the R shares of a step are the data-parallel step's batch."""
+    from benchmarks.diloco_scale import global_batches, worker_batches
+
+    G, n = 16, 100
+    steps = [b for _, b in zip(range(9), global_batches(n, G, seed=0))]  # past one epoch (6 steps)
+    assert all(len(set(b.tolist())) == G for b in steps)
+    for R in (1, 4, 16):
+        shares = [list(zip(range(9), worker_batches(n, G, R, k, seed=0))) for k in range(R)]
+        for step, batch in enumerate(steps):
+            parts = [shares[k][step][1] for k in range(R)]
+            assert all(len(p) == G // R for p in parts)
+            assert sorted(torch.cat(parts).tolist()) == sorted(batch.tolist())
+
+
+def test_the_hybrid_averages_the_embeddings_and_isoc_merges_the_rest():
+    from benchmarks.diloco import HYBRID
+    from pipeline.merge import merge_state_dicts
+    from pipeline.merge.linalg import iso
+
+    model = tiny_qwen2(size="0.13M")
+    g = torch.Generator().manual_seed(0)
+    deltas = [{n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()} for _ in range(3)]
+    merged = merge_state_dicts(deltas, [1.0] * 3, list(HYBRID))
+    mean = {n: sum(d[n] for d in deltas) / 3 for n in deltas[0]}
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        torch.testing.assert_close(merged[name], mean[name], rtol=1e-6, atol=1e-6)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    exact = iso(mean[name], "svd")
+    assert torch.linalg.norm(merged[name] - exact) <= 1e-5 * torch.linalg.norm(exact)  # fp32 SVD's rounding
+    assert not torch.allclose(merged[name], mean[name], atol=1e-3)
+
+
+def test_scale_cells_are_saved_skipped_when_rerun_and_a_folder_of_another_setting_is_refused(small_corpus, tmp_path):
+    from benchmarks.diloco_scale import check_folder, run_cells, setting, write_results
+
+    args = SimpleNamespace(model="0.13M", global_batch=4, steps=2)
+    model0 = tiny_qwen2(size="0.13M")
+    wanted = setting(args, small_corpus, sum(p.numel() for p in model0.parameters()))
+    check_folder(tmp_path, wanted)
+    todo = [("dp", 1, 1), ("diloco", 2, 1), ("hybrid", 2, 2)]
+    cells = run_cells(tmp_path, todo, model0, small_corpus, args)
+    assert sorted(cells) == ["diloco-R2-H1", "dp", "hybrid-R2-H2"]
+    assert [len(cells[n]["curve"]) for n in ("diloco-R2-H1", "hybrid-R2-H2")] == [2, 1]  # T = steps / H
+    saved = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").iterdir()}
+    again = run_cells(tmp_path, [*todo, ("isoloco", 2, 1)], model0, small_corpus, args)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").iterdir() if p.name in saved} == saved
+    assert sorted(again) == ["diloco-R2-H1", "dp", "hybrid-R2-H2", "isoloco-R2-H1"]
+    text = write_results(tmp_path, wanted, again)
+    results = json.loads((tmp_path / "results.json").read_text())
+    dp = results["dp"]["final_loss"]
+    for row in results["cells"]:
+        assert row["vs_dp_percent"] == pytest.approx(100 * (row["final_loss"] - dp) / dp)
+    assert "| diloco |" in text and (tmp_path / "degradation_vs_R.png").stat().st_size > 5_000
+    check_folder(tmp_path, wanted)  # the same setting: accepted
+    with pytest.raises(SystemExit, match="differs in steps"):
+        check_folder(
+            tmp_path,
+            setting(SimpleNamespace(model="0.13M", global_batch=4, steps=4), small_corpus, wanted["parameters"]),
+        )
 
 
 def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_path, capsys):
