@@ -209,6 +209,12 @@ def inner_optimizers(model: torch.nn.Module, inner: str) -> list[torch.optim.Opt
     ]
 
 
+def schedules(optimizers: list[torch.optim.Optimizer], steps: int) -> list[torch.optim.lr_scheduler.LambdaLR]:
+    """The trainer's warm-up and cosine over ``steps``, one scheduler an optimizer."""
+    factor = lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO)
+    return [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
+
+
 class Learner:
     """A model with its own inner optimizer and schedule over the whole run: one DiLoCo worker (its
     optimizer state persists across rounds) or the data-parallel model."""
@@ -216,8 +222,7 @@ class Learner:
     def __init__(self, model: Qwen2ForCausalLM, steps: int, inner: str = "adamw"):
         self.model, self.clip = model, CLIP if inner == "adamw" else math.inf
         self.optimizers = inner_optimizers(model, inner)
-        factor = lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
+        self.schedulers = schedules(self.optimizers, steps)
 
     def train(self, batches: Iterable[torch.Tensor]) -> list[float]:
         """One step a batch; returns the gradient norms before clipping."""
@@ -248,9 +253,7 @@ class LoraLearner(Learner):
         self.model, self.clip = model, CLIP
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizers = [torch.optim.AdamW(trainable, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)]
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(self.optimizers[0], lr_lambda(steps, WARMUP_RATIO, MIN_LR_RATIO))
-        ]
+        self.schedulers = schedules(self.optimizers, steps)
         self.weights = LoraWeights.of(model, ModelView(InMemory(model0.state_dict()), model0.config.to_dict()))
 
     def start_round(self, theta: dict[str, torch.Tensor], seed: int) -> None:
