@@ -126,17 +126,18 @@ def run_cell(method: str, workers: int, inner_steps: int, model0, corpus: Corpus
 
 def run_cells(out: Path, todo: list[tuple[str, int, int]], model0, corpus: Corpus, args: argparse.Namespace) -> dict:
     """Every (method, R, H) of ``todo`` not yet in ``out/cells/`` run and saved there (each as soon as
-    it ends: an interrupted table keeps its finished cells); returns every cell of the folder."""
-    (out / "cells").mkdir(exist_ok=True)
-    have = {p.stem: json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))}
+    it ends: an interrupted table keeps its finished cells; a cell another process of the same
+    folder finished meanwhile is not run again); returns every cell of the folder."""
+    cells = out / "cells"
+    cells.mkdir(exist_ok=True)
     for method, workers, inner_steps in tqdm(todo, desc="cells", unit="cell"):
-        name = cell_name(method, workers, inner_steps)
-        if name in have:
+        path = cells / f"{cell_name(method, workers, inner_steps)}.json"
+        if path.is_file():
             continue
-        have[name] = run_cell(method, workers, inner_steps, model0, corpus, args)
-        write_text_atomic(out / "cells" / f"{name}.json", json.dumps(have[name], indent=1))
-        tqdm.write(f"{name}: held-out loss {have[name]['final_loss']:.4f} ({have[name]['wall_seconds']:.0f} s)")
-    return have
+        cell = run_cell(method, workers, inner_steps, model0, corpus, args)
+        write_text_atomic(path, json.dumps(cell, indent=1))
+        tqdm.write(f"{path.stem}: held-out loss {cell['final_loss']:.4f} ({cell['wall_seconds']:.0f} s)")
+    return {p.stem: json.loads(p.read_text()) for p in sorted(cells.glob("*.json"))}
 
 
 def check_folder(out: Path, wanted: dict) -> None:
