@@ -360,10 +360,11 @@ def run_dp(
     rounds: int,
     seed: int = 0,
     batches: Iterator[torch.Tensor] | None = None,
+    inner: str = "adamw",
 ) -> Run:
-    """One model, evaluated every H steps, on ``batches`` (default: batches of R × 8, the workers'
-    batches of the same step)."""
-    learner = Learner(copy.deepcopy(model0), steps=inner_steps * rounds)
+    """One model with the ``inner`` optimizer, evaluated every H steps, on ``batches`` (default:
+    batches of R × 8, the workers' batches of the same step)."""
+    learner = Learner(copy.deepcopy(model0), inner_steps * rounds, inner)
     run = Run(learner.model)
     if batches is None:
         streams = shard_batches(len(train), workers, seed)

@@ -59,7 +59,10 @@ from pipeline.checkpoint import write_text_atomic
 from pipeline.figures import save_figure
 from pipeline.train.engine import takes_muon
 
-DP_EVERY = 30  # the baseline's held-out loss every 30 steps (its final loss is the one compared)
+DP_EVERY = 30  # the baselines' held-out loss every 30 steps (their final loss is the one compared)
+# Data-parallel training with AdamW, the baseline of every cell, and with Muon (on the matrices
+# Muon takes, AdamW on the rest), which tells a Muon-inside method's degradation from Muon's own gain.
+BASELINES = {"dp": "adamw", "dp-muon": "muon"}
 
 
 def global_batches(n_windows: int, batch: int, seed: int) -> Iterator[torch.Tensor]:
@@ -73,7 +76,7 @@ def worker_batches(n_windows: int, batch: int, workers: int, k: int, seed: int) 
 
 
 def cell_name(method: str, workers: int, inner_steps: int) -> str:
-    return "dp" if method == "dp" else f"{method}-R{workers}-H{inner_steps}"
+    return method if method in BASELINES else f"{method}-R{workers}-H{inner_steps}"
 
 
 def worker_bytes(model: torch.nn.Module, inner: str) -> int:
@@ -102,10 +105,18 @@ def run_cell(method: str, workers: int, inner_steps: int, model0, corpus: Corpus
     """One cell's run: its final held-out loss, its curve (every round; the baseline every DP_EVERY
     steps) and its seconds (training, aggregation: Iso-C's orthogonalisation included)."""
     start, n, G = time.perf_counter(), len(corpus.train), args.global_batch
-    if method == "dp":
+    if method in BASELINES:
         every = math.gcd(args.steps, DP_EVERY)
         run = run_dp(
-            model0, corpus.train, corpus.heldout, 1, every, args.steps // every, batches=global_batches(n, G, 0)
+            model0,
+            corpus.train,
+            corpus.heldout,
+            1,
+            every,
+            args.steps // every,
+            0,
+            global_batches(n, G, 0),
+            BASELINES[method],
         )
     else:
         streams = [worker_batches(n, G, workers, k, seed=0) for k in range(workers)]
@@ -114,8 +125,8 @@ def run_cell(method: str, workers: int, inner_steps: int, model0, corpus: Corpus
     curve = [{k: v for k, v in c.items() if k != "bytes_sent"} for c in run.curve]
     return {
         "method": method,
-        "workers": None if method == "dp" else workers,
-        "inner_steps": None if method == "dp" else inner_steps,
+        "workers": None if method in BASELINES else workers,
+        "inner_steps": None if method in BASELINES else inner_steps,
         "final_loss": curve[-1]["loss"],
         "train_seconds": sum(c["train_seconds"] for c in curve),
         "aggregate_seconds": sum(c.get("aggregate_seconds", 0.0) for c in curve),
@@ -151,10 +162,21 @@ def check_folder(out: Path, wanted: dict) -> None:
     write_text_atomic(path, json.dumps(wanted, indent=1))
 
 
+def percent(loss: float, baseline: dict) -> float:
+    return 100 * (loss - baseline["final_loss"]) / baseline["final_loss"]
+
+
 def degradations(cells: dict[str, dict]) -> list[dict]:
-    """Every DiLoCo cell's row, its loss against the baseline's in %."""
-    dp = cells["dp"]["final_loss"]
-    rows = [c | {"vs_dp_percent": 100 * (c["final_loss"] - dp) / dp} for name, c in cells.items() if name != "dp"]
+    """Every DiLoCo cell's row, its loss against data-parallel AdamW's in %, and a Muon-inside
+    method's also against data-parallel Muon's (where measured)."""
+    rows = []
+    for name, c in cells.items():
+        if name in BASELINES:
+            continue
+        row = c | {"vs_dp_percent": percent(c["final_loss"], cells["dp"])}
+        if METHODS[c["method"]].inner == "muon" and "dp-muon" in cells:
+            row["vs_dp_muon_percent"] = percent(c["final_loss"], cells["dp-muon"])
+        rows.append(row)
     order = list(METHODS)
     return sorted(rows, key=lambda r: (order.index(r["method"]), r["workers"], r["inner_steps"]))
 
@@ -172,8 +194,13 @@ def table(rows: list[dict], across: str, fixed: str, value: int) -> str:
     )
 
 
-def cells_table(dp: dict, rows: list[dict]) -> str:
-    body = [["dp", "—", "—", "—", f"{dp['final_loss']:.4f}", "—", f"{dp['train_seconds']:.0f}", "—"]]
+def cells_table(cells: dict[str, dict], rows: list[dict]) -> str:
+    dp = cells["dp"]
+    body = [
+        [name, "—", "—", "—", f"{c['final_loss']:.4f}", f"{percent(c['final_loss'], dp):+.2f} %", "—", *seconds]
+        for name, c in cells.items()
+        if name in BASELINES and (seconds := [f"{c['train_seconds']:.0f}", "—"])
+    ]
     body += [
         [
             r["method"],
@@ -182,12 +209,14 @@ def cells_table(dp: dict, rows: list[dict]) -> str:
             str(len(r["curve"])),
             f"{r['final_loss']:.4f}",
             f"{r['vs_dp_percent']:+.2f} %",
+            f"{r['vs_dp_muon_percent']:+.2f} %" if "vs_dp_muon_percent" in r else "—",
             f"{r['train_seconds']:.0f}",
             f"{1000 * r['aggregate_seconds'] / len(r['curve']):.1f}",
         ]
         for r in rows
     ]
-    return markdown(["method", "R", "H", "T", "held-out loss", "vs DP", "train s", "aggregate ms / round"], body)
+    headers = ["method", "R", "H", "T", "held-out loss", "vs DP", "vs DP (Muon)", "train s", "aggregate ms / round"]
+    return markdown(headers, body)
 
 
 def plot(rows: list[dict], across: str, fixed: str, value: int, out: Path) -> None:
@@ -225,9 +254,10 @@ def write_results(out: Path, wanted: dict, cells: dict[str, dict]) -> str:
         m: {"inner": METHODS[m].inner, "aggregate": rules_text(METHODS[m]), "outer": METHODS[m].outer.model_dump()}
         for m in methods
     }
-    figures = {"setting": wanted, "methods": about, "dp": cells["dp"], "cells": rows}
+    figures = {"setting": wanted, "methods": about, "baselines": {n: cells[n] for n in BASELINES if n in cells}}
+    figures["cells"] = rows
     write_text_atomic(out / "results.json", json.dumps(figures, indent=1))
-    text = [f"data-parallel: held-out loss {cells['dp']['final_loss']:.4f}", "", cells_table(cells["dp"], rows)]
+    text = [f"data-parallel: held-out loss {cells['dp']['final_loss']:.4f}", "", cells_table(cells, rows)]
     if rows:
         h = most_common(rows, "inner_steps", "workers")
         r = most_common(rows, "workers", "inner_steps")
@@ -251,14 +281,14 @@ def main(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = setting(args, corpus, params)
     check_folder(out, wanted)
-    inners = {METHODS[m].inner for m in args.methods if m != "dp"} or {"adamw"}
+    inners = {METHODS[m].inner for m in args.methods if m != "dp"} | {"adamw"}
     memory = max(worker_bytes(model0, i) for i in inners) * max(args.workers)
     print(
         f"model: Qwen2ForCausalLM {args.model}, {params:,} parameters; {G} windows of {CONTEXT} + 1 a step "
         f"({G * CONTEXT:,} tokens), {args.steps} steps in all, {torch.get_num_threads()} threads; "
         f"R = {max(args.workers)} workers hold {memory / 2**20:,.0f} MiB (weights, gradients, optimizer state)"
     )
-    todo = [("dp", 1, 1)] + [
+    todo = [(b, 1, 1) for b, inner in BASELINES.items() if inner in inners] + [
         (m, r, h) for m in args.methods if m != "dp" for r in args.workers for h in args.inner_steps
     ]
     have = run_cells(out, todo, model0, corpus, args)

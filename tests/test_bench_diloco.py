@@ -171,19 +171,23 @@ def test_scale_cells_are_saved_skipped_when_rerun_and_a_folder_of_another_settin
     model0 = tiny_qwen2(size="0.13M")
     wanted = setting(args, small_corpus, sum(p.numel() for p in model0.parameters()))
     check_folder(tmp_path, wanted)
-    todo = [("dp", 1, 1), ("diloco", 2, 1), ("hybrid", 2, 2)]
+    todo = [("dp", 1, 1), ("dp-muon", 1, 1), ("diloco", 2, 1), ("hybrid", 2, 2), ("muloco", 2, 1)]
     cells = run_cells(tmp_path, todo, model0, small_corpus, args)
-    assert sorted(cells) == ["diloco-R2-H1", "dp", "hybrid-R2-H2"]
+    assert sorted(cells) == ["diloco-R2-H1", "dp", "dp-muon", "hybrid-R2-H2", "muloco-R2-H1"]
     assert [len(cells[n]["curve"]) for n in ("diloco-R2-H1", "hybrid-R2-H2")] == [2, 1]  # T = steps / H
     saved = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").iterdir()}
     again = run_cells(tmp_path, [*todo, ("isoloco", 2, 1)], model0, small_corpus, args)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cells").iterdir() if p.name in saved} == saved
-    assert sorted(again) == ["diloco-R2-H1", "dp", "hybrid-R2-H2", "isoloco-R2-H1"]
+    assert sorted(again) == ["diloco-R2-H1", "dp", "dp-muon", "hybrid-R2-H2", "isoloco-R2-H1", "muloco-R2-H1"]
     text = write_results(tmp_path, wanted, again)
     results = json.loads((tmp_path / "results.json").read_text())
-    dp = results["dp"]["final_loss"]
+    dp = results["baselines"]["dp"]["final_loss"]
+    muon = results["baselines"]["dp-muon"]["final_loss"]
     for row in results["cells"]:
         assert row["vs_dp_percent"] == pytest.approx(100 * (row["final_loss"] - dp) / dp)
+        assert row.get("vs_dp_muon_percent") == (
+            pytest.approx(100 * (row["final_loss"] - muon) / muon) if row["method"] == "muloco" else None
+        )
     assert "| diloco |" in text and (tmp_path / "degradation_vs_R.png").stat().st_size > 5_000
     check_folder(tmp_path, wanted)  # the same setting: accepted
     with pytest.raises(SystemExit, match="differs in steps"):
