@@ -31,7 +31,7 @@ GOLDEN = Path(__file__).parent / "golden"
 # longest start first, so that neither worker is left with one of them while the other is idle.
 LONGEST_FIRST = ["test_prefect_server", "test_families_flow", "test_diloco", "test_flow", "test_shipped_3b"]
 LONGEST_FIRST += ["test_lora", "test_bench_quality", "test_train", "test_shipped_7b_lora", "test_shipped_30b_a3b_lora"]
-LONGEST_FIRST += ["test_diagnostics"]
+LONGEST_FIRST += ["test_muon", "test_diagnostics"]
 LONGEST_FIRST += ["test_diloco_lora", "test_bench_tools", "test_benchmarks", "test_paper_benchmarks"]
 
 
