@@ -1,2 +1,2 @@
 """The ``merit`` command: the face over the library (``pipeline``, ``calibration``), the Prefect
-flows (``flows``) and the benchmarks (``benchmarks``). Nothing below it imports it."""
+flows (``flows``) and the ``merit bench`` measurements (``merit.bench``). Nothing below it imports it."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import BENCHMARKS
+from merit.bench import MEASUREMENTS
 from pipeline.threads import set_threads
 
 if TYPE_CHECKING:
@@ -239,8 +239,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     """``merit bench NAME [options]``: the benchmark's module parses its own options."""
     import importlib
 
-    module = importlib.import_module(f"benchmarks.{args.what}")
-    parser = argparse.ArgumentParser(prog=f"merit bench {args.what}", description=BENCHMARKS[args.what])
+    module = importlib.import_module(f"merit.bench.{args.what}")
+    parser = argparse.ArgumentParser(prog=f"merit bench {args.what}", description=MEASUREMENTS[args.what])
     module.add_arguments(parser)
     module.main(parser.parse_args(args.options))
 
@@ -311,12 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks that print figures (merit bench NAME --help: its options)",
-        description="\n".join(f"{name}: {what}" for name, what in BENCHMARKS.items()),
+        help="measurements that print figures: speed, memory, quality (merit bench NAME --help: its options)",
+        description="\n".join(f"{name}: {what}" for name, what in MEASUREMENTS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("what", choices=list(BENCHMARKS), metavar="NAME", help="the benchmark: " + ", ".join(BENCHMARKS))
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    names = ", ".join(MEASUREMENTS)
+    bench.add_argument("what", choices=list(MEASUREMENTS), metavar="NAME", help=f"the measurement: {names}")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the measurement's own options")
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from datasets import Dataset, Features, Image, Sequence, Value
 
-from benchmarks.hub_cache import COLORS, image, revision, write_dataset_cache  # noqa: F401  (tests import them here)
+from merit.bench.hub_cache import COLORS, image, revision, write_dataset_cache  # noqa: F401  (tests import them here)
 
 # lmms-eval task -> the hub data set its YAML names (the mathvista group's three subtasks share one).
 PAPER_TASKS = {

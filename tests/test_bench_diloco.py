@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.diloco import (
+from merit.bench.diloco import (
     CLIP,
     CONTEXT,
     EOD,
@@ -61,7 +61,7 @@ def test_lora_workers_move_only_their_adapted_tensors_by_a_low_rank_step_and_sen
     the worker starts as the global, its AdamW moments at zero, the step count going on); the
     global moves by at most R · r = 4 directions a round on each adapted tensor and nowhere else;
     each worker sends 4·r(m + n) bytes per adapted m × n tensor."""
-    from benchmarks.diloco import LoraLearner
+    from merit.bench.diloco import LoraLearner
 
     torch.manual_seed(1)
     train, heldout = torch.randint(0, EOD + 1, (40, CONTEXT + 1)), torch.randint(0, EOD + 1, (4, CONTEXT + 1))
@@ -133,7 +133,7 @@ def test_a_muon_learner_steps_the_hidden_matrices_with_torchs_muon_and_the_rest_
 def test_a_global_batch_is_split_among_the_workers_whatever_r():
     """Every method sees the same windows in the same steps: worker k of R takes the k-th, (k + R)-th,
     … of the step's G windows, so the R shares of a step are the data-parallel step's batch."""
-    from benchmarks.diloco_scale import global_batches, worker_batches
+    from merit.bench.diloco_scale import global_batches, worker_batches
 
     G, n = 16, 100
     steps = [b for _, b in zip(range(9), global_batches(n, G, seed=0))]  # past one epoch (6 steps)
@@ -147,7 +147,7 @@ def test_a_global_batch_is_split_among_the_workers_whatever_r():
 
 
 def test_the_hybrid_averages_the_embeddings_and_isoc_merges_the_rest():
-    from benchmarks.diloco import HYBRID
+    from merit.bench.diloco import HYBRID
     from pipeline.merge import merge_state_dicts
     from pipeline.merge.linalg import iso
 
@@ -165,7 +165,7 @@ def test_the_hybrid_averages_the_embeddings_and_isoc_merges_the_rest():
 
 
 def test_scale_cells_are_saved_skipped_when_rerun_and_a_folder_of_another_setting_is_refused(small_corpus, tmp_path):
-    from benchmarks.diloco_scale import check_folder, run_cells, setting, write_results
+    from merit.bench.diloco_scale import check_folder, run_cells, setting, write_results
 
     args = SimpleNamespace(model="0.13M", global_batch=4, steps=2)
     model0 = tiny_qwen2(size="0.13M")
@@ -200,7 +200,7 @@ def test_scale_cells_are_saved_skipped_when_rerun_and_a_folder_of_another_settin
 def test_bench_aggregators_measures_a_share_of_every_payload_per_aggregator(tmp_path, capsys):
     """One aggregator reads every payload twice, θ and the momentum: (2R + 2) payloads' bytes
     (fp32, every tensor trained); S aggregators each about 1/S of it."""
-    from benchmarks.aggregators import main
+    from merit.bench.aggregators import main
 
     main(SimpleNamespace(workers=[2], size="small", compression="none", method="iso_c", workdir=str(tmp_path)))
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
@@ -237,7 +237,7 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
     slow worker's first payload (one slowed step, about 3 such rounds: measured at round 3 of 8 on
     2 busy cores) arrives late. Async, H = 3, T = 3: its slow worker trains H + T − 1 = 5 slowed
     steps (DyLU: 1 a payload after its first) against sync's T·H = 9."""
-    from benchmarks.stragglers import Pool, Setting, run_bench
+    from merit.bench.stragglers import Pool, Setting, run_bench
 
     R, T = 2, 8
     with Pool(small_corpus.train, small_corpus.heldout, R) as pool:
@@ -289,7 +289,7 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
 
 
 def test_dylu_steps_follow_the_measured_speeds():
-    from benchmarks.stragglers import dylu_steps
+    from merit.bench.stragglers import dylu_steps
 
     assert dylu_steps(30, {}, 0) == 30  # not measured yet
     speeds = {0: 10.0, 1: 10 / 3, 2: 0.1}
@@ -297,7 +297,7 @@ def test_dylu_steps_follow_the_measured_speeds():
 
 
 def test_a_worker_failure_surfaces_with_its_traceback_and_no_process_outlives_the_pool(small_corpus):
-    from benchmarks.stragglers import Pool, WorkerFailed
+    from merit.bench.stragglers import Pool, WorkerFailed
 
     with (
         pytest.raises(WorkerFailed, match="unknown message 'nonsense'") as failure,

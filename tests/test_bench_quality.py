@@ -14,7 +14,7 @@ from statistics import mean, stdev
 import pytest
 from scipy import stats
 
-from benchmarks.quality import CONSTANT_LABEL, add_arguments, aggregate, factor_table, paired, plan_cases
+from merit.bench.quality import CONSTANT_LABEL, add_arguments, aggregate, factor_table, paired, plan_cases
 from merit.cli import main
 from pipeline.config import load_config
 from pipeline.data import load_sources

@@ -1,6 +1,6 @@
 """The measuring commands at their smallest settings: each runs through `merit bench`, prints its
 table and leaves what it measured where it says (the merges, the trainer's metrics). Their
-figures are for docs/benchmarks/results/; here only that they are figures of the real thing."""
+figures are for docs/results/; here only that they are figures of the real thing."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.merge import run_in_process
-from benchmarks.train import model_flops
+from merit.bench.merge import run_in_process
+from merit.bench.train import model_flops
 from merit.cli import main as merit
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.layout import bench_dir
@@ -100,7 +100,7 @@ def test_model_flops_count_the_3b_widths_parameters_as_the_formula_takes_them(tm
     """At Qwen2.5-VL-3B's widths (built on the meta device): the blocks are every language parameter
     but the tied embedding, attention runs in all 36 layers, and a frozen tower costs 2 FLOPs per
     parameter and patch where a trained one costs 6."""
-    from benchmarks.widths import width_overrides
+    from merit.bench.widths import width_overrides
     from pipeline.config import load_config
     from pipeline.models import build_tiny_processor
     from pipeline.models.tiny import tiny_config

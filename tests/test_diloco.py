@@ -20,8 +20,8 @@ from conftest import prepared_run
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
-from benchmarks.aggregators import fabricate_round
 from flows.diloco import diloco
+from merit.bench.aggregators import fabricate_round
 from pipeline.config import DilocoMethod, load_config
 from pipeline.diloco import OuterSGD, aggregate, compress, compress_with_feedback, decompress, payload_bytes
 from pipeline.diloco.aggregate import AsyncOuter

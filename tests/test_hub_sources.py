@@ -17,11 +17,11 @@ from conftest import small_config
 from datasets import Dataset, Features, Image, List, Value
 from PIL import Image as PILImage
 
-from benchmarks.hub_cache import image, revision, write_dataset_cache, write_mixture
 from calibration.errors import CalibrationError
 from calibration.plots import clustered, plot_conflicts
 from calibration.split import plan_split
 from calibration.stage import refuse_small_sources
+from merit.bench.hub_cache import image, revision, write_dataset_cache, write_mixture
 from merit.cli import main as merit
 from pipeline.config import ConfigError, DataSection, SourceSpec, load_config
 from pipeline.data import DataError, Encoder, Example, active_sources, load_sources, load_split, prepare_data

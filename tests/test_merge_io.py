@@ -326,7 +326,7 @@ def test_a_killed_merge_leaves_no_output_and_the_rerun_completes(tmp_path):
     import signal
     import time
 
-    from benchmarks.merge import generate
+    from merit.bench.merge import generate
 
     base, models = generate(tmp_path, 3, size_mb=48)
     out = tmp_path / "merged"

@@ -20,7 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from benchmarks.merge import checkpoint_shapes, qwen2_config
+from merit.bench.merge import checkpoint_shapes, qwen2_config
 from merit.cli import main as merit
 from pipeline.merge import MergeSpec, merge_checkpoints
 from pipeline.merge.methods.dare import LEVELS, draws, drop_level

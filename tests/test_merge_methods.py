@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.isoc import spectrum_matrix
+from merit.bench.isoc import spectrum_matrix
 from pipeline.merge import Rule, TensorContext, TensorInputs, get_method, merge_state_dicts, merge_tensor, tensor_reader
 from pipeline.merge.linalg import iso
 from pipeline.merge.methods.dare import draws, drop_level, rescale

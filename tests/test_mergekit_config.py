@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from benchmarks.merge import generate
+from merit.bench.merge import generate
 from merit.cli import main as merit
 from pipeline.merge.mergekit_config import Conditional, evaluate, read_config, run_config
 from pipeline.merge.spec import MergeSpecError

@@ -1,4 +1,4 @@
-"""The quality bench's premise figures (benchmarks/premises.py) against hand-computed values."""
+"""The quality bench's premise figures (merit/bench/premises.py) against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from statistics import mean, stdev
 
 import pytest
 
-from benchmarks import premises
+from merit.bench import premises
 from pipeline.data.builtin import CONFLICTS, FINETUNE
 
 PAIRS = (("a", "a_neg"), ("b", "b_neg"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from benchmarks.merge import generate
+from merit.bench.merge import generate
 from pipeline.threads import available_cpus, cgroup_quota, map_chunks, threads_per_process
 from pipeline.train.launch import rank_environment
 

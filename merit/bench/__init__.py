@@ -1,8 +1,8 @@
 """The ``merit bench`` commands: each module measures one thing, declares its own options
-(``add_arguments``) and runs (``main``). Above the library and the flows (a benchmark may run a
-flow); nothing under ``pipeline/`` imports them. Dated results: ``docs/benchmarks/results/``."""
+(``add_arguments``) and runs (``main``). Above the library and the flows (a measurement may run a
+flow); nothing under ``pipeline/`` imports them. Dated results: ``docs/results/``."""
 
-BENCHMARKS = {  # name: what it measures (``merit bench --help``); the module benchmarks.<name>
+MEASUREMENTS = {  # name: what it measures (``merit bench --help``); the module merit.bench.<name>
     "data": "encoding rate vs the tiny model's training rate",
     "merge": "merge throughput per method beside the streaming floor",
     "train": "branch trainer: tokens/s, padding, MFU, memory, a profile; packed vs padded; 1 vs 2 ranks",

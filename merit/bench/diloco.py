@@ -597,7 +597,7 @@ def main(args: argparse.Namespace) -> None:
     if args.methods is None:
         args.methods = ["diloco"] if args.slow else ["dp", "diloco", "isoloco", "average"]
     if args.global_batch:  # the paper's scale: cells of (method, R, H), resumable
-        from benchmarks.diloco_scale import main as at_scale
+        from merit.bench.diloco_scale import main as at_scale
 
         at_scale(args)
         return
@@ -607,7 +607,7 @@ def main(args: argparse.Namespace) -> None:
     if args.slow:  # stragglers: the workers as processes, the sync modes compared in wall time
         if args.lora_rank:
             raise SystemExit("merit: error: --lora-rank is for the bench without --slow")
-        from benchmarks.stragglers import main as stragglers
+        from merit.bench.stragglers import main as stragglers
 
         stragglers(args)
         return

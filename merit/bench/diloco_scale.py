@@ -2,7 +2,7 @@
 (R up to 128) and inner steps (H from 30 to 240), each cell (method, R, H) against data-parallel
 training on the same tokens.
 
-Every step trains on G windows of the stdlib corpus (:mod:`benchmarks.diloco`), the same G whatever
+Every step trains on G windows of the stdlib corpus (:mod:`merit.bench.diloco`), the same G whatever
 R: a step's windows are the next G of one seeded order of the training windows (a fresh permutation
 each epoch), and worker k of R takes the k-th, (k + R)-th, … of them, G / R each. The data-parallel
 baseline trains on all G windows of every step, so it is one run for every R and H, and every method
@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.diloco import (
+from merit.bench.diloco import (
     BETAS,
     CLIP,
     CONTEXT,

@@ -14,7 +14,7 @@ PyTorch loop over the same batches (target: the trainer's overhead ≤ 15 %), th
 GPU default): a random Qwen2.5-VL at those widths, bf16 on a GPU, ZeRO-2, one rank, trained as
 ``--like`` (default ``configs/qwen2_5_vl_3b.yaml``) trains: its image sizes, example length and
 batch (token budget, accumulation, checkpointing, kernels). ``--corpus vision-flan`` trains on
-:mod:`benchmarks.corpus` (Vision-FLAN's layout, examples of varied length) instead of the built-in
+:mod:`merit.bench.corpus` (Vision-FLAN's layout, examples of varied length) instead of the built-in
 corpus, at the run's image sizes (the ``--like`` config's at real widths; at tiny width the run
 config's own, so that a CPU takes it in minutes). ``--set`` overrides come last: ``--set
 train.packing=false`` measures padded batches.
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from benchmarks.corpus import write_corpus
-from benchmarks.data import like
-from benchmarks.widths import build_theta0, width_overrides
+from merit.bench.corpus import write_corpus
+from merit.bench.data import like
+from merit.bench.widths import build_theta0, width_overrides
 from merit.cli import add_run_options, resolve_run
 from pipeline.checkpoint import is_complete
 from pipeline.checkpoint import read_manifest as read_checkpoint_manifest

@@ -16,9 +16,9 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.memory import calibrate_stage, merge_stage, moved_branches, run_train_steps
-from benchmarks.merge import busy_processes, run_in_process
-from benchmarks.widths import build_theta0, width_overrides
+from merit.bench.memory import calibrate_stage, merge_stage, moved_branches, run_train_steps
+from merit.bench.merge import busy_processes, run_in_process
+from merit.bench.widths import build_theta0, width_overrides
 from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.data import prepare_data
 from pipeline.layout import INIT, bench_dir

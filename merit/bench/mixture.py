@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.hub_cache import image, write_dataset_cache, write_large_mixture
-from benchmarks.merge import run_in_process
+from merit.bench.hub_cache import image, write_dataset_cache, write_large_mixture
+from merit.bench.merge import run_in_process
 from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.memory import AnonymousPeak, max_rss

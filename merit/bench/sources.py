@@ -1,6 +1,6 @@
 """``merit bench sources``: the data stages at the paper's scale of sources. A hub-shaped mixture
 of ``--counts`` subsets in the Cauldron's shape (subset s holding ``--rows`` × (1 + s mod 4)
-examples, as real mixtures' subsets differ in size; written by :mod:`benchmarks.hub_cache` as the
+examples, as real mixtures' subsets differ in size; written by :mod:`merit.bench.hub_cache` as the
 tests' fixtures are) is named as one ``format: hub`` entry with ``subsets: all``; for each count,
 ``prepare`` and then ``calibrate`` at every ``--r`` run in fresh processes, each timed, with its
 peak resident memory, on the tiny θ0 (the demo's widths).
@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.hub_cache import write_mixture
-from benchmarks.merge import run_in_process
+from merit.bench.hub_cache import write_mixture
+from merit.bench.merge import run_in_process
 from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.data.manifest import read_manifest

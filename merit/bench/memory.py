@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.merge import run_in_process
-from benchmarks.widths import build_theta0, width_overrides
+from merit.bench.merge import run_in_process
+from merit.bench.widths import build_theta0, width_overrides
 from merit.cli import add_run_options, format_table, resolve_run
 from pipeline.config import RunConfig
 from pipeline.data import Collator, Encoder, load_split, prepare_data

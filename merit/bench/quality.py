@@ -1,6 +1,6 @@
 """``merit bench quality``: does the conflict-aware split pay off, judged as the MERIT paper judges
 it, on a toy where the paper's premises are measured first? Per kind of designed conflict (by
-default ``opposed``) and seed: the four premises (:mod:`benchmarks.premises`: θ0 above each task's
+default ``opposed``) and seed: the four premises (:mod:`merit.bench.premises`: θ0 above each task's
 constant answer, the designed pairs' cosines in C and the split, interference of a pair trained
 together, the loss barrier), then θ0, the joint baseline (1 epoch, the branches' budget; other
 budgets with ``--joint-epochs``) and each merge on MERIT's split beside the same merge on a
@@ -38,7 +38,7 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Any
 
-from benchmarks import premises
+from merit.bench import premises
 from pipeline.checkpoint import write_text_atomic
 from pipeline.config import load_config
 from pipeline.controls import SPLIT_OF, control_dir, linked_run
@@ -415,7 +415,7 @@ def _mean(rows: list[dict[str, Any]], metric: str, digits: int) -> str:
 def premise_sections(
     rows: list[dict[str, Any]], workdir: Path, drops: dict[str, dict[int, dict[str, float]]]
 ) -> list[str]:
-    """Per kind of conflict, the four premises' tables (benchmarks.premises), each with whether it holds."""
+    """Per kind of conflict, the four premises' tables (merit.bench.premises), each with whether it holds."""
     text = []
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]

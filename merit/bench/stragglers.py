@@ -1,7 +1,7 @@
 """``merit bench diloco --slow K:F``: DiLoCo with a straggler, its R workers real concurrent
 processes, under four sync modes, in wall time.
 
-The setting is ``merit bench diloco``'s (:mod:`benchmarks.diloco`: the stdlib corpus, the
+The setting is ``merit bench diloco``'s (:mod:`merit.bench.diloco`: the stdlib corpus, the
 tiny Qwen2, θ0, each worker's ``Learner`` with AdamW, the schedule and clipping, its iid shard
 stream from ``shard_batches`` with the same seeds, batch 8, H inner steps), but each worker is a
 process of its own (``torch.multiprocessing``, start method ``forkserver`` with this module
@@ -84,7 +84,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.diloco import (
+from merit.bench.diloco import (
     BATCH,
     CONTEXT,
     METHODS,

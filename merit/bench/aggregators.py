@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.widths import build_theta0, width_overrides
+from merit.bench.widths import build_theta0, width_overrides
 from pipeline.checkpoint import write_manifest
 from pipeline.config import DilocoMethod, load_config
 from pipeline.data import prepare_data
