@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# torch/torchvision are installed first, pinned to the pair known to work together on CPU
-# and GPU machines (see README); everything else comes from pyproject.toml lower bounds.
+# torch/torchvision are installed first, pinned to the pair the CPU tests and CPU results run with
+# (no GPU result was measured with it: docs/results/2026-12-04-h200.md ran the machine's torch
+# 2.11.0); everything else comes from pyproject.toml lower bounds.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev
 STAMP  := $(VENV)/.installed

@@ -8,7 +8,8 @@
 
 Both are committed, so that they read on the repository as in the site: ``make reference`` (or
 ``python docs/hooks.py``) writes them, and the build (mkdocs.yml ``hooks:``) fails when a
-committed page differs from what the code gives, so it cannot drift from the code.
+committed page differs from what the code gives, so it cannot drift from the code. Both fail too,
+naming the keys, where a key has no description (no comment beside its field).
 ``tests/test_docs.py`` builds the site with ``mkdocs build --strict``.
 """
 
@@ -206,6 +207,39 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def undescribed(walked: list[tuple[str, type[BaseModel]]]) -> list[str]:
+    """The keys of these sections whose field has no comment, each with the file that declares it."""
+    missing = []
+    for path, model in walked:
+        for name in model.model_fields:
+            if not field_comment(model, name):
+                source = Path(inspect.getsourcefile(_origin_class(model, name))).resolve()
+                where = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source
+                missing.append(f"{f'{path}.{name}' if path else name} ({where})")
+    return missing
+
+
+def require_descriptions(what: str, walked: list[tuple[str, type[BaseModel]]]) -> None:
+    """Refuse a reference with an empty "what it is": every key gets a ``#`` comment."""
+    if missing := undescribed(walked):
+        raise ValueError(
+            f"{what} keys without a description (a # comment on or above the field's line): {', '.join(missing)}"
+        )
+
+
+def configuration_sections() -> list[tuple[str, type[BaseModel]]]:
+    """The sections of the configuration reference: each top-level section of ``RunConfig``, walked."""
+    from pipeline.config import RunConfig
+
+    return [s for name, info in RunConfig.model_fields.items() for s in sections(info.annotation, name)]
+
+
+def merge_spec_sections() -> list[tuple[str, type[BaseModel]]]:
+    from pipeline.merge.spec import MergeSpec
+
+    return sections(MergeSpec, "")
+
+
 def table(model: type[BaseModel], path: str) -> list[str]:
     rows = ["| key | type | default | what it is |", "| --- | --- | --- | --- |"]
     for name, info in model.model_fields.items():
@@ -223,8 +257,7 @@ def table(model: type[BaseModel], path: str) -> list[str]:
 
 
 def render_configuration() -> str:
-    from pipeline.config import RunConfig
-
+    require_descriptions("configuration", configuration_sections())
     lines = [
         "# Configuration reference",
         "",
@@ -242,19 +275,16 @@ def render_configuration() -> str:
         "(`data.sources[].path`: the `path` of every source).",
         "",
     ]
-    for name, info in RunConfig.model_fields.items():
-        top = info.annotation
-        for path, model in sections(top, name):
-            lines += [f"{'##' if path == name else '###'} `{path}`", ""]
-            doc = class_doc(model)
-            lines += [doc, ""] if doc else []
-            lines += [*table(model, path), ""]
+    for path, model in configuration_sections():
+        lines += [f"{'###' if '.' in path else '##'} `{path}`", ""]
+        doc = class_doc(model)
+        lines += [doc, ""] if doc else []
+        lines += [*table(model, path), ""]
     return "\n".join(lines)
 
 
 def render_merge_spec() -> str:
-    from pipeline.merge.spec import MergeSpec
-
+    require_descriptions("merge spec", merge_spec_sections())
     lines = [
         "# Merge spec reference",
         "",
@@ -265,7 +295,7 @@ def render_merge_spec() -> str:
         "for each item of a list. How to use it: [the merge library alone](../guides/merge-library.md).",
         "",
     ]
-    for path, model in sections(MergeSpec, ""):
+    for path, model in merge_spec_sections():
         lines += [f"## `{path}`" if path else "## The spec", ""]
         doc = class_doc(model)
         lines += [doc, ""] if doc else []
@@ -287,7 +317,11 @@ def stale_pages() -> list[str]:
 def on_pre_build(config):
     from mkdocs.exceptions import PluginError
 
-    if stale := stale_pages():
+    try:
+        stale = stale_pages()
+    except ValueError as err:  # a key without a description (require_descriptions)
+        raise PluginError(str(err)) from None
+    if stale:
         raise PluginError(f"{', '.join(stale)} not current with the code: run `make reference`")
 
 

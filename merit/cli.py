@@ -1,5 +1,8 @@
 """The ``merit`` command. Every command that works on a run takes ``--run-dir`` and ``--set``;
-the run directory keeps the resolved ``config.yaml`` so any stage can be re-run alone."""
+the run directory keeps the resolved ``config.yaml`` so a stage with a command of its own (init,
+prepare, calibrate, train, tune-merge, report) can be re-run alone. The run's merges (Fisher
+included), evaluation and benchmarks have none: they run inside ``merit run``, which reuses what
+exists."""
 
 from __future__ import annotations
 
@@ -44,14 +47,24 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
     when it is new or changed (a stage's command)."""
     from pipeline.layout import start_run
 
-    return start_run(args.config, args.overrides, args.run_dir)
+    return announced(*start_run(args.config, args.overrides, args.run_dir))
 
 
 def read_run(args: argparse.Namespace) -> tuple[RunConfig, Path]:
-    """The same, written nowhere: for the commands that only read a run (``check``, ``report``)."""
+    """The same, written and downloaded nowhere: for the commands that only read a run (``check``,
+    ``report``)."""
+    from pipeline.hub import cache_only
     from pipeline.layout import run_config
 
-    return run_config(args.config, args.overrides, args.run_dir)
+    with cache_only():
+        return announced(*run_config(args.config, args.overrides, args.run_dir))
+
+
+def announced(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, Path]:
+    """Every command says which run directory it uses: by default ``runs/<run.name>`` under the
+    current folder, so the same command from another folder is another run."""
+    print(f"run directory: {run_dir.resolve()}")
+    return cfg, run_dir
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -121,10 +134,13 @@ def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> None:
+    from pipeline.hub import cache_only
     from pipeline.preflight import check_run
 
     cfg, run_dir = read_run(args)
-    for what, found in check_run(cfg, run_dir, diloco=args.flow == "diloco").items():
+    with cache_only():  # the same answer online as offline: what this machine has
+        checked = check_run(cfg, run_dir, diloco=args.flow == "diloco")
+    for what, found in checked.items():
         print(f"{what:<10} ok: {found}")
 
 
@@ -164,8 +180,9 @@ def cmd_run(args: argparse.Namespace) -> None:
 
         raise ConfigError("merit run needs CONFIG, or --run-dir of a run that has its config.yaml")
     flows = {"merit": merit, "joint": joint, "diloco": diloco}
+    _, run_dir = read_run(args)
     try:
-        report = flows[args.flow](config=args.config, overrides=args.overrides, run_dir=args.run_dir)
+        report = flows[args.flow](config=args.config, overrides=args.overrides, run_dir=str(run_dir))
     except RuntimeError as err:  # a failed stage; Prefect has logged the details
         sys.exit(f"merit: the {args.flow} flow failed: {err}")
     print(f"report: {report}")

@@ -19,6 +19,9 @@ from pipeline.checkpoint import write_text_atomic
 from pipeline.merge.registry import get_method
 from pipeline.merge.rules import Rule, rules_for
 
+SHIPPED_DEEPSPEED = Path(__file__).parent / "train" / "deepspeed"  # train.deepspeed by name
+DEEPSPEED_NAMES = ("zero0", "zero2", "zero3")
+
 
 class ConfigError(ValueError):
     """A config file or override that does not validate; the message names the key."""
@@ -34,7 +37,8 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = "demo"
+    name: str = "demo"  # the run's name: its folder (default runs/<name>), its Prefect artifacts, its report
+    # seeds every random draw: the tiny model, the built-in corpus, held-out splits, samples, batch order, merges
     seed: int = 0
 
 
@@ -43,30 +47,30 @@ class FreezeSection(Section):
     the projector (the vision tower's ``merger``) frozen, the language model trained, the paper's
     decoder-only setting."""
 
-    freeze_vision_tower: bool = True
-    freeze_multi_modal_projector: bool = True
-    freeze_language_model: bool = False
+    freeze_vision_tower: bool = True  # true: the vision tower (its projector apart) gets no gradient
+    freeze_multi_modal_projector: bool = True  # true: the projector gets no gradient
+    freeze_language_model: bool = False  # true: the language model (blocks, embeddings, lm_head) gets no gradient
 
 
 class TinyModelSection(Section):
     """Shape of the offline model built when ``model.name_or_path`` is ``tiny`` (Qwen2.5-VL) or
     ``tiny:<model_type>`` (that family: ``pipeline.models.families``)."""
 
-    vocab_size: int = Field(1024, ge=300)
-    hidden_size: int = Field(64, ge=16)
-    intermediate_size: int = Field(128, ge=16)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    vision_depth: int = Field(2, ge=1)
-    vision_hidden_size: int = Field(32, ge=8)
-    vision_intermediate_size: int = Field(64, ge=8)
-    vision_heads: int = Field(2, ge=1)
+    vocab_size: int = Field(1024, ge=300)  # the vocabulary of the BPE tokenizer learnt on the built-in corpus
+    hidden_size: int = Field(64, ge=16)  # the language model's width; hidden_size / num_heads a multiple of 8
+    intermediate_size: int = Field(128, ge=16)  # width of the language model's MLPs
+    num_layers: int = Field(2, ge=1)  # decoder layers
+    num_heads: int = Field(4, ge=1)  # attention heads of the language model
+    num_kv_heads: int = Field(2, ge=1)  # key/value heads (grouped-query attention); divides num_heads
+    vision_depth: int = Field(2, ge=1)  # blocks of the vision tower
+    vision_hidden_size: int = Field(32, ge=8)  # width of the vision tower
+    vision_intermediate_size: int = Field(64, ge=8)  # width of the vision tower's MLPs
+    vision_heads: int = Field(2, ge=1)  # attention heads of the vision tower
     vision_window: int = Field(56, ge=28)  # pixels; Qwen2.5-VL uses 112
     embedding_rows: int | None = Field(None, ge=300)  # default: the tokenizer's size (Qwen: 151,936)
-    # Mixture-of-experts families only (tiny:qwen3_vl_moe, tiny:qwen3_5_moe)
+    # Mixture-of-experts families only (tiny:qwen3_vl_moe, tiny:qwen3_5_moe): experts per layer
     num_experts: int = Field(4, ge=2)
-    experts_per_token: int = Field(2, ge=1)
+    experts_per_token: int = Field(2, ge=1)  # experts each token is routed to (top-k), at most num_experts
     # Not half of hidden_size: an expert's gate_up (2 × inter, hidden) then differs from its transpose,
     # as in the real models (a layout mistaken for the other cannot pass by shape)
     moe_intermediate_size: int = Field(24, ge=8)
@@ -87,17 +91,22 @@ class ModelSection(Section):
     # "tiny" (Qwen2.5-VL) or "tiny:<model_type>" (offline), a Hugging Face id or a local checkpoint folder
     name_or_path: str = "tiny"
     revision: str | None = None  # of a Hugging Face id: a branch, tag or commit (default: main)
+    # The dtype the weights are loaded and trained in; auto: the one the checkpoint's config names
+    # (float32 if none). bfloat16 trains in DeepSpeed's bf16 mode (fp32 master weights) where the
+    # DeepSpeed config's bf16 is auto, as the shipped ones are.
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # transformers' attention of the model as loaded (padded batches, calibration, evaluation,
+    # benchmarks); flash_attention_2 needs the flash-attn package. Packed batches: train.packed_attention.
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the Python code a checkpoint ships (its config, processor, model)
     # transformers' hub kernels (Liger…): code the Hub sends as a model loads; transformers' default is on
     use_kernels: bool = False
     # Lower bound of an image's area (Qwen families); InternVL tiles as its processor config says
     min_pixels: int = Field(56 * 56, ge=28 * 28)
     # Upper bound of an image's area (Qwen families); a tiny InternVL's most tiles: max_pixels // 56²
     max_pixels: int = Field(112 * 112, ge=28 * 28)
-    freeze: FreezeSection = FreezeSection()
-    tiny: TinyModelSection = TinyModelSection()
+    freeze: FreezeSection = FreezeSection()  # which parts of the model get no gradient
+    tiny: TinyModelSection = TinyModelSection()  # the offline model's shape (name_or_path tiny or tiny:<model_type>)
 
     @field_validator("name_or_path")
     @classmethod
@@ -117,10 +126,12 @@ class SourceSpec(Section):
     """One config entry; ``builtin`` and ``vision_flan`` entries expand to one source per task,
     ``hub`` entries to one per subset of a hub data set (pipeline.data.hub)."""
 
+    # The entry's name, unique across data, warm-up and eval sources; the source's name, but for
+    # builtin and vision_flan (a source per task, named by it) and hub (<name>/<subset>)
     name: str
-    format: SourceFormat
+    format: SourceFormat  # how path is read (docs/concepts/data.md); builtin: the built-in corpus, no path
     path: str | None = None  # hub: the data set's id (ORG/NAME) or a folder holding its files
-    images_dir: str | None = None
+    images_dir: str | None = None  # where image paths resolve, never outside it; default: the data file's folder
     tasks: list[str] | None = None  # builtin / vision_flan: keep only these tasks
     # builtin, without tasks: which of its suites (pipeline.data.builtin.suite_sources): the fine-tuning
     # sources, the skills a warm-up teaches θ0 (both by data.builtin.conflicts), or unseen
@@ -128,14 +139,15 @@ class SourceSpec(Section):
     suite: Literal["finetune", "warmup", "unseen"] = "finetune"
     # per source (hub: per subset, or per source_column value); builtin: how many each task generates
     max_examples: int | None = Field(None, ge=1)
+    # the share of the source's examples held out; default: data.heldout_fraction (eval sources: all)
     heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0)
-    # hub only: which subsets (the data set card's configs) become sources, the split they give, the
-    # commit (pinned to the cached snapshot's when left out), a column whose values split one table
-    # into sources, and the data set's names for a known shape's columns ({texts: dialogue, ...}).
+    # hub only: which subsets (the data set card's configs) become sources: all, or their names
     subsets: Literal["all"] | list[str] = "all"
-    split: str = "train"
-    revision: str | None = None
+    split: str = "train"  # hub only: the split each subset is read from
+    revision: str | None = None  # hub only: the data set's commit (pinned to the cached snapshot's when left out)
+    # hub only: a column whose values split one table into sources, one per value (<name>/<value>)
     source_column: str | None = None
+    # hub only: the data set's names for a known shape's columns, ours to theirs ({texts: dialogue, ...})
     columns: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -162,12 +174,12 @@ class EvalSourceSpec(SourceSpec):
     """A source that is evaluated (all of its examples) and never trained on: ``unseen`` measures
     generalisation to new tasks and instructions, ``retention`` what θ0 could do before fine-tuning."""
 
-    role: Literal["unseen", "retention"] = "unseen"
+    role: Literal["unseen", "retention"] = "unseen"  # unseen: new tasks and instructions; retention: what θ0 could do
 
 
 class BuiltinSection(Section):
-    examples_per_source: int = Field(240, ge=2)
-    image_size: int = Field(112, ge=28)
+    examples_per_source: int = Field(240, ge=2)  # examples per built-in source (an entry's max_examples overrides)
+    image_size: int = Field(112, ge=28)  # side of the corpus's square images, in pixels (the toy benchmarks' too)
     # cued: each source of a conflicting pair has its own instruction, so one model can satisfy
     # both; contradictory: the same question gets different answers in the two sources; opposed:
     # yes/no questions answered truthfully by one source and negated by the other (its own cue).
@@ -177,14 +189,19 @@ class BuiltinSection(Section):
 
 
 class DataSection(Section):
-    sources: list[SourceSpec] = [SourceSpec(name="builtin", format="builtin")]
+    sources: list[SourceSpec] = [SourceSpec(name="builtin", format="builtin")]  # the fine-tuning sources
+    # an example's most tokens (its images' included): a longer one is cut from the right, an image
+    # the cut would split dropped whole
     max_length: int = Field(1024, ge=16)
+    # the share of each source's examples held out for evaluation (seeded; never all of them)
     heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    # a record that cannot be read (bad JSON, no assistant turn, a missing image...): error stops the
+    # stage naming it; skip leaves it out, counted by reason in the manifest and the report
     on_bad_record: Literal["error", "skip"] = "error"
     # processes the prepare stage reads and encodes sources in (a hub mixture's subsets side by side);
     # default: the CPUs this process may run on
     prepare_processes: int | None = Field(None, ge=1)
-    builtin: BuiltinSection = BuiltinSection()
+    builtin: BuiltinSection = BuiltinSection()  # the built-in corpus's sources (format builtin)
 
     @model_validator(mode="after")
     def _unique_names(self) -> DataSection:
@@ -195,24 +212,27 @@ class DataSection(Section):
 class CalibrationSection(Section):
     """MERIT's split: per-source mean gradients at θ0, their cosine conflicts, PCA, K = 2^r groups."""
 
-    n_per_source: int = Field(200, ge=1)
+    n_per_source: int = Field(200, ge=1)  # training examples sampled (seeded) per source for its mean gradient
     # a source with fewer training examples than n_per_source: its gradient is the mean over all it
     # has (noisier; the stage names it), or the stage refuses to start, naming every such source
     small_sources: Literal["use_all", "refuse"] = "use_all"
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # examples per forward and backward pass
     # Glob patterns over the model's parameter names (in memory); default: the language
     # blocks' weight matrices (a mixture of experts' fused expert tensors and routers included).
     params: list[str] = ["model.language_model.layers.*"]
+    # of the parameters matched, weight matrices only (experts' fused tensors too): no norms, biases, conv kernels
     matrices_only: bool = True
     # projection: CountSketch, ~10x more accurate than stride at equal dim (docs: concepts/merit).
     sketch: Literal["stride", "projection"] = "projection"
-    dim: int = Field(16384, ge=16)
+    dim: int = Field(16384, ge=16)  # coordinates of a sketched gradient (all kept when the parameters have no more)
     centre: bool = False  # subtract the mean gradient before the cosines
     # The principal axes of C: PCA of the column-centred C (the paper's) or eigenvectors of C itself.
     pca: Literal["centred", "uncentred"] = "centred"
     # What the split's halves balance: training examples (the paper's text) or tokens (its project page).
     balance: Literal["samples", "tokens"] = "samples"
-    r: int = Field(1, ge=1)
+    r: int = Field(1, ge=1)  # the split's depth: r principal axes, K = 2^r groups (branches)
+    # pca: MERIT's conflict-aware split; random: the Random-K control (random scores, the same
+    # balance); given: the groups of calibration.groups
     method: Literal["pca", "random", "given"] = "pca"
     groups: list[list[str]] | None = None  # for method: given
     devices: list[str] | None = None  # default: every GPU, else the CPU
@@ -233,7 +253,7 @@ class TrainSection(Section):
     # (MERIT trains each branch on its own group's data once); ``steps`` optimizer steps instead
     # when given (then the joint baseline gets K × steps).
     epochs: float = Field(1.0, gt=0)
-    steps: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1)  # optimizer steps, in place of epochs when given
     # Micro batches: padding-free packed rows of at most ``max_tokens`` tokens (images' tokens
     # included), filled first-fit from windows of ``packing_window`` shuffled examples, each example
     # with its own positions and attention (docs/concepts/training.md); or, with ``packing: false``,
@@ -260,26 +280,32 @@ class TrainSection(Section):
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = Field(0.02, gt=0)  # Muon's lr (Keller Jordan's; spectral-norm units per step)
     muon_momentum: float = Field(0.95, ge=0, lt=1)  # Muon's Nesterov momentum
+    # AdamW's peak learning rate (under Muon, its AdamW part's): a linear warm-up over warmup_ratio of
+    # the steps, then a cosine decay to min_lr_ratio × lr
     lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_ratio: float = Field(0.1, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (β1, β2)
+    weight_decay: float = Field(0.0, ge=0)  # decoupled weight decay (AdamW's; under Muon, both parts')
+    warmup_ratio: float = Field(0.1, ge=0, le=1)  # the share of the steps the lr rises over (at least one step)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr × this
-    clip: float = Field(1.0, gt=0)
+    clip: float = Field(1.0, gt=0)  # the gradients' global norm is clipped to this; no clipping under Muon
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (long sequences, big models)
     loss_chunk: int = Field(1024, ge=1)  # supervised positions projected on the vocabulary at once
     loader_workers: int = Field(2, ge=0)  # processes encoding the next steps' batches while this one trains
-    deepspeed: str = "configs/deepspeed/zero2.json"
+    # A DeepSpeed config: one shipped by name (zero0, zero2, zero3: pipeline/train/deepspeed/<name>.json)
+    # or the path of a JSON file of your own; its batch sizes, clipping and precision come from here.
+    deepspeed: str = "zero2"
     processes: int = Field(1, ge=1)  # ranks per branch (GPUs, or CPU processes with gloo)
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1)  # optimizer steps between resumable checkpoints (resumed after a kill)
+    # seconds a branch's (or DiLoCo worker's) training may run before it is killed and fails; also a
+    # worker's longest wait for a round's global weights
     timeout_s: int = Field(6 * 3600, ge=1)
     profile_steps: int = Field(0, ge=0)  # steps recorded by torch.profiler after the first 3 (profile.md); 0: none
     # LoRA through PEFT, with LLaMA-Factory's option names and LoRA defaults, but full fine-tuning by
     # default (LLaMA-Factory's is lora); what else differs: docs/guides/lora.md.
     finetuning_type: Literal["full", "lora"] = "full"
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1)  # r, the rank of each adapter's B A
     lora_alpha: float | None = Field(None, gt=0)  # default: 2 × lora_rank
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)  # dropout of an adapter's input (0 with lora_target_parameters)
     # ``all``, as LLaMA-Factory resolves it for Qwen2.5-VL: every linear layer of the parts that train,
     # never ``lm_head`` nor the projector; or module names (a name matches a module whose path ends
     # with it), as a list or comma-separated.
@@ -316,6 +342,13 @@ class TrainSection(Section):
             # PEFT's ParamWrapper: the dropout of x cannot be factored out of an expert's B A x
             raise ValueError("train.lora_target_parameters needs train.lora_dropout 0 (PEFT applies none to them)")
         return self
+
+    @property
+    def deepspeed_file(self) -> Path:
+        """The DeepSpeed config's file: a shipped one by name, or the path given."""
+        return (
+            SHIPPED_DEEPSPEED / f"{self.deepspeed}.json" if self.deepspeed in DEEPSPEED_NAMES else Path(self.deepspeed)
+        )
 
     @property
     def lora_scaling(self) -> float:
@@ -358,17 +391,20 @@ class MergeEntry(Section):
     per-tensor ``rules`` as in a merge spec. Branches are weighted by their training tokens
     (MERIT's merge) or equally."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")  # unique in its list; it names the output's folder
+    # One merge method for every tensor (routers averaged), e.g. weighted_average, iso_c, ties
+    # (docs/concepts/merge-methods.md), with its params; or rules, or merge_method.
     method: str | None = None
-    params: dict[str, Any] = {}
-    rules: list[Rule] | None = None
+    params: dict[str, Any] = {}  # the method's parameters, e.g. {scale: 1.0}
+    rules: list[Rule] | None = None  # per tensor: the first rule whose pattern or group matches gives its method
     # Or mergekit's method and parameters, with mergekit's meanings, over the branches: θ0 is the base
     # model and each branch's weight its ``weighting`` share unless the parameters give a weight.
     merge_method: str | None = None
-    parameters: dict[str, Any] = {}
-    weighting: Literal["tokens", "equal"] = "tokens"
+    parameters: dict[str, Any] = {}  # merge_method's parameters, mergekit's names
+    weighting: Literal["tokens", "equal"] = "tokens"  # the branches' weights: their training tokens, or equal
     # LoRA branches: the merged ΔW as a model (θ0 + ΔW) or as a PEFT adapter (the merge spec's).
     out_format: Literal["model", "adapter"] = "model"
+    # out_format adapter: the rank each merged ΔW is truncated to by SVD (the linear methods need none)
     adapter_rank: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -401,8 +437,8 @@ class MergeSearch(Section):
 
     enabled: bool = False  # the merit flow searches after its merges; the report shows the chosen merge
     merge: str = "token_average"  # the merge.methods entry searched; its own weights are trial 0
-    trials: int = Field(20, ge=1)
-    sampler: Literal["tpe", "cmaes"] = "tpe"
+    trials: int = Field(20, ge=1)  # trials in all, the merge's own weights (trial 0) included
+    sampler: Literal["tpe", "cmaes"] = "tpe"  # Optuna's sampler: TPE, or CMA-ES
     parallel: int = Field(1, ge=1)  # the merit flow's trials at once, each worker on a GPU of its own if any
     params: dict[str, tuple[float, float]] = {}  # a method parameter -> its range, e.g. density: [0.1, 0.9]
     # Weights per group of consecutive decoder layers (mergekit-evolve's layer granularity): G groups
@@ -422,9 +458,9 @@ class MergeSearch(Section):
 
 
 class MergeSection(Section):
-    methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]
-    search: MergeSearch = MergeSearch()
-    device: Literal["cpu", "cuda"] = "cpu"
+    methods: list[MergeEntry] = [MergeEntry(name="token_average", method="weighted_average")]  # the run's merges
+    search: MergeSearch = MergeSearch()  # the search of one merge's weights (merit tune-merge)
+    device: Literal["cpu", "cuda"] = "cpu"  # where merges (in fp32) and Fisher estimates compute
     out_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: the branches' dtype
     fisher_examples: int = Field(64, ge=1)  # per branch, for methods that need a diagonal Fisher
     block_mb: int = Field(1024, ge=1)  # fp32 working memory of TIES, DARE and Fisher per row block
@@ -474,7 +510,7 @@ class DilocoMethod(MergeEntry):
 
     outer_lr: float = Field(0.7, gt=0)  # η
     outer_momentum: float = Field(0.9, ge=0, lt=1)  # μ
-    nesterov: bool = True
+    nesterov: bool = True  # the outer step's momentum: Nesterov's, or (false) heavy-ball
     # The workers' weights: by the tokens each trained on (MERIT's merge weights), or equal. Default:
     # tokens for sync and quorum rounds, equal for async arrivals (1 / R each, as Liu et al. 2024).
     weighting: Literal["tokens", "equal"] | None = None
@@ -495,6 +531,9 @@ class DilocoSection(Section):
     global weights, the aggregate of their pseudo-gradients takes an outer step, ``rounds`` (T)
     times. Each method is a run of its own from θ0 with the same workers, shards and budget."""
 
+    # What each worker trains on: iid, all the sources' examples dealt out R ways; merit, a group of the
+    # calibration split; random, a group of a random split of the sources (R a power of 2); given,
+    # a group of diloco.groups.
     shards: Literal["iid", "merit", "random", "given"] = "iid"
     workers: int | None = Field(None, ge=1)  # R; default K (calibration.r); merit shards: R = K
     groups: list[list[str]] | None = None  # for shards: given
@@ -529,6 +568,7 @@ class DilocoSection(Section):
     compression: Literal["none", "bf16", "int8", "int4"] = "none"  # of the pseudo-gradients the workers send
     error_feedback: bool = False  # a worker adds what compression dropped to its next round's Δ
     eval_every: int = Field(1, ge=0)  # held-out loss of the global model every n rounds (0: the last only)
+    # the variants, each a run of its own: DiLoCo's weighted average and IsoLoCo's Iso-C by default
     methods: list[DilocoMethod] = [
         DilocoMethod(name="diloco", method="weighted_average", outer_lr=0.7, outer_momentum=0.9),
         DilocoMethod(name="isoloco", method="iso_c", outer_lr=1.8, outer_momentum=0.8),
@@ -595,7 +635,7 @@ class EvalSection(Section):
     """Evaluation of every model of a run: held-out loss and exact-match accuracy of greedy answers
     on the prepared sources, and lmms-eval benchmarks that none of the models trained on."""
 
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # held-out examples per batch, of the loss and of the greedy answers
     max_examples_per_source: int | None = Field(None, ge=1)  # default: the whole held-out split
     device: str | None = None  # default: the first GPU, else the CPU
     sources: list[EvalSourceSpec] = []  # evaluated, never trained on
@@ -612,7 +652,7 @@ class EvalSection(Section):
     include_path: list[str] = []  # folders of extra lmms-eval task YAML files
     judge: JudgeSection | None = None  # required by the judged tasks (llava_in_the_wild, mmvet, mathvista_*, toy_chat)
     benchmark_limit: int | None = Field(None, ge=1)  # examples per task (lmms-eval --limit); default all
-    benchmark_batch_size: int = Field(8, ge=1)
+    benchmark_batch_size: int = Field(8, ge=1)  # lmms-eval --batch_size (InternVL's lmms-eval model: 1)
     # Generation settings over every task's own (lmms-eval --gen_kwargs), e.g. {max_new_tokens: 64} for a
     # quick look: the scores are then not the benchmarks' as published.
     benchmark_gen_kwargs: dict[str, int | float | str] = {}
@@ -656,7 +696,7 @@ class FlowSection(Section):
     parallel_branches: int | None = Field(None, ge=1)  # default: GPUs // train.processes, 1 on CPU;
     # with branch_deployment: every branch at once
     branch_retries: int = Field(2, ge=0)  # a retry resumes from the branch's last checkpoint
-    retry_delay_s: float = Field(10.0, ge=0)
+    retry_delay_s: float = Field(10.0, ge=0)  # seconds before a failed branch, DiLoCo worker or part is retried
     # With branch_deployment (or diloco.aggregator_deployment): each remote flow run beats a
     # heartbeat into the run directory this often...
     heartbeat_s: float = Field(30.0, gt=0)
@@ -818,7 +858,9 @@ def _index(node: list, part: str, path: str) -> int:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Load and validate a YAML config (or the defaults), then apply ``key=value`` overrides."""
+    """Load and validate a YAML config (or the defaults), then apply ``key=value`` overrides.
+    Relative paths in the file are the file's folder's (:func:`resolve_paths`); an override's, the
+    current folder's, as any command-line path: the config holds whole paths from then on."""
     tree: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -829,12 +871,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ConfigError(f"cannot read config {where}: {err}") from err
         if not isinstance(tree, dict):
             raise ConfigError(f"config {where} must be a mapping at the top level")
+        resolve_paths(tree, Path(path).resolve().parent)
     for assignment in overrides:
         apply_override(tree, assignment)
+    resolve_paths(tree, Path.cwd())  # what is still relative came from an override
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(f"invalid config {where}:\n{_describe(err)}") from None
+
+
+def resolve_paths(tree: dict[str, Any], folder: Path) -> None:
+    """Make a config file's relative paths absolute against ``folder`` (the file's own), so that a
+    command reads the same files from any folder, and the run's saved config names them whole. A
+    value that may also be a hub id (``model.name_or_path``, a hub source's ``path``) is a path only
+    when it exists there; a DeepSpeed config named ``zero0``/``zero2``/``zero3`` is the shipped one."""
+
+    def resolved(value: Any, maybe_id: bool = False) -> Any:
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            return value
+        candidate = folder / value
+        return value if maybe_id and not candidate.exists() else str(candidate)
+
+    sections = {k: v for k, v in tree.items() if isinstance(v, dict)}
+    model, train, data = sections.get("model", {}), sections.get("train", {}), sections.get("data", {})
+    evaluation, diloco = sections.get("eval", {}), sections.get("diloco", {})
+    if "name_or_path" in model and not str(model["name_or_path"]).startswith("tiny"):
+        model["name_or_path"] = resolved(model["name_or_path"], maybe_id=True)
+    if "deepspeed" in train and train["deepspeed"] not in DEEPSPEED_NAMES:
+        train["deepspeed"] = resolved(train["deepspeed"])
+    for source in [*data.get("sources", []), *evaluation.get("sources", [])]:
+        for key in ("path", "images_dir"):
+            if isinstance(source, dict) and key in source:
+                source[key] = resolved(source[key], maybe_id=key == "path" and source.get("format") == "hub")
+    if isinstance(evaluation.get("include_path"), list):
+        evaluation["include_path"] = [resolved(p) for p in evaluation["include_path"]]
+    if "replay" in diloco:
+        diloco["replay"] = resolved(diloco["replay"])
 
 
 def _describe(err: ValidationError) -> str:

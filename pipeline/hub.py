@@ -5,7 +5,9 @@ calibration stages load the model, the branches start from it), so a hub id is r
 its snapshot in the local cache, through ``huggingface_hub``. Offline (``HF_HUB_OFFLINE=1``, as
 ``make`` sets it) only the cache is looked at, and a model that is not there is an error that
 names the id and the command that downloads it: checked when a flow starts, before any training.
-Online, a missing snapshot is downloaded (weights as safetensors only, never pickles).
+Online, a run downloads a missing snapshot (weights as safetensors only, never pickles); ``merit
+check`` never does: it names what the cache lacks either way, and online also what the hub says of
+it (gated, and whether the token here may read it: :func:`hub_access`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
 from pipeline.config import ConfigError
 
@@ -50,29 +55,72 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
+_CACHE_ONLY = ContextVar("cache_only", default=False)
+
+
+@contextmanager
+def cache_only() -> Iterator[None]:
+    """Within it, online or not, a hub id resolves to this machine's cache and nothing is
+    downloaded: what ``merit check`` and the commands that only read a run look at."""
+    token = _CACHE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _CACHE_ONLY.reset(token)
+
+
 def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
-    """The local folder of a model folder or hub id; an error naming it when there is none."""
+    """The local folder of a model folder or hub id; an error naming it when there is none.
+    Online (and outside :func:`cache_only`) a snapshot the cache lacks is downloaded."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return check_model_folder(path.resolve())
     if not REPO_ID.fullmatch(name_or_path):
         raise ModelNotFoundError(f"model {name_or_path}: no such folder, and not a Hugging Face id (organisation/name)")
     cache = hub_cache()
+    local_only = offline() or _CACHE_ONLY.get()
     try:
         folder = snapshot_download(
-            name_or_path, revision=revision, cache_dir=cache, allow_patterns=FILES, local_files_only=offline()
+            name_or_path, revision=revision, cache_dir=cache, allow_patterns=FILES, local_files_only=local_only
         )
-    except LocalEntryNotFoundError:  # offline, or online with the hub out of reach
+    except LocalEntryNotFoundError:  # offline, a check, or online with the hub out of reach
         where = f"revision {revision} of " if revision else ""
-        why = "HF_HUB_OFFLINE is set" if offline() else "the hub cannot be reached"
+        why = (
+            " and HF_HUB_OFFLINE is set" if offline() else "" if _CACHE_ONLY.get() else " and the hub cannot be reached"
+        )
         raise ModelNotFoundError(
-            f"model {name_or_path}: {where}it is not in the Hugging Face cache {cache} and {why}. "
+            f"model {name_or_path}: {where}it is not in the Hugging Face cache {cache}{why}. "
             f"Download it first: `hf download {name_or_path}` (with HF_HOME pointing at the cache every machine of "
-            "the run reads)" + (", or unset HF_HUB_OFFLINE to let the run download it" if offline() else "")
+            f"the run reads){hub_access(name_or_path, 'model')}"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise ModelNotFoundError(f"model {name_or_path}: cannot get it from the Hugging Face hub: {err}") from None
     return check_model_folder(Path(folder))
+
+
+def hub_access(repo_id: str, repo_type: str) -> str:
+    """What the hub says of a repository the cache lacks, `` (…)`` to add to an error: whether it
+    exists, whether it is gated and, if so, whether this machine's token (``HF_TOKEN`` or ``hf auth
+    login``) may download it. Empty offline (only the cache is known) and for an open one."""
+    if offline():
+        return ""
+    api, page = HfApi(), f"https://huggingface.co/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+    try:
+        gated = api.repo_info(repo_id, repo_type=repo_type, timeout=10).gated
+        if gated:
+            api.auth_check(repo_id, repo_type=repo_type)
+    except GatedRepoError:
+        return (
+            f" (gated: accept its terms at {page} and log in with that account, `hf auth login` or HF_TOKEN, "
+            "before downloading; the token here has no access)"
+        )
+    except RepositoryNotFoundError:
+        return " (the hub has no such repository, or it is private and the token here cannot see it)"
+    except Exception as err:
+        # The hub out of reach (however huggingface_hub's HTTP client of the day says so), or
+        # refusing: this only adds to an error about the cache, whose answer stands alone.
+        return f" (the hub could not be asked whether it is gated: {type(err).__name__})"
+    return " (gated; the token here has access)" if gated else ""
 
 
 def dataset_snapshot(repo_id: str, revision: str | None = None) -> Path | None:

@@ -31,7 +31,13 @@ def check_run(cfg: RunConfig, run_dir: str | Path, diloco: bool = False) -> dict
     """Raise :class:`PreflightError` listing every problem; return what was checked (a line each).
     ``diloco``: the run is the DiLoCo flow's (its workers' settings are checked too)."""
     checked, problems = {}, []
-    checks = [("θ0", _theta0), ("data", _data), ("deepspeed", _deepspeed), ("merges", _merges), ("devices", _devices)]
+    checks = [
+        ("θ0", _theta0),
+        ("data", _data),
+        ("deepspeed", _deepspeed),
+        ("merges", _merges),
+        ("devices", _devices),
+    ]
     checks += [("lora", _lora), ("benchmarks", _benchmarks)]
     for name, check in checks + ([("diloco", _diloco)] if diloco else []):
         try:
@@ -51,7 +57,7 @@ def _theta0(cfg: RunConfig, run_dir: str | Path) -> str:
 
     if is_tiny(cfg):
         return f"the tiny offline {tiny_family(cfg.model.name_or_path).model_type}, built by the init stage"
-    folder = Path(base_path(cfg, run_dir))  # a hub id not in the cache (offline) fails here, named
+    folder = Path(base_path(cfg, run_dir))  # a hub id this machine lacks fails here, named
     config = json.loads((folder / "config.json").read_text())
     family = family_of_config(config, str(folder / "config.json"))  # every stage reads the model through it
     return f"{folder} ({family.model_type}: {ModelView.open(folder).layout.summary()})"
@@ -86,13 +92,13 @@ def _deepspeed(cfg: RunConfig, run_dir: str | Path) -> str:
     from pipeline.train.engine import deepspeed_config
 
     t = cfg.train
-    if not Path(t.deepspeed).is_file():
-        raise ConfigError(f"{t.deepspeed} not found")
-    raw = json.loads(Path(t.deepspeed).read_text())
+    if not t.deepspeed_file.is_file():
+        raise ConfigError(f"{t.deepspeed_file} not found")
+    raw = json.loads(t.deepspeed_file.read_text())
     owned = sorted({"optimizer", "scheduler"} & set(raw))
     if owned:
         raise ConfigError(
-            f"{t.deepspeed}: {owned} come from the train section (AdamW, warm-up and cosine); remove them"
+            f"{t.deepspeed_file}: {owned} come from the train section (AdamW, warm-up and cosine); remove them"
         )
     try:
         dtype = torch.float32 if is_tiny(cfg) else checkpoint_dtype(cfg.model, base_path(cfg, run_dir))
@@ -103,9 +109,9 @@ def _deepspeed(cfg: RunConfig, run_dir: str | Path) -> str:
         DeepSpeedConfig(config)
     except Exception as err:  # DeepSpeed raises pydantic errors, asserts and ValueErrors alike
         why = " ".join(line.strip() for line in str(err).splitlines() if "errors.pydantic.dev" not in line)
-        raise ConfigError(f"{t.deepspeed}: DeepSpeed refuses it: {why}") from None
+        raise ConfigError(f"{t.deepspeed_file}: DeepSpeed refuses it: {why}") from None
     stage, bf16 = config.get("zero_optimization", {}).get("stage", 0), config.get("bf16", {}).get("enabled", False)
-    return f"{t.deepspeed}: ZeRO {stage}, bf16 {bf16}"
+    return f"{t.deepspeed_file}: ZeRO {stage}, bf16 {bf16}"
 
 
 def _merges(cfg: RunConfig, run_dir: str | Path) -> str:

@@ -121,7 +121,7 @@ def run_shipped_lora(config: Path, root: Path, snapshot: Path, *sizes: str) -> t
     settings = [
         f"data.sources.0.path={annotation}",  # paths
         f"data.sources.0.images_dir={images}",
-        f"train.deepspeed={Path(__file__).parent.parent}/configs/deepspeed/zero2.json",
+        "train.deepspeed=zero2",
         "model.min_pixels=3136",  # sizes
         "calibration.n_per_source=4",
         "calibration.batch_size=2",

@@ -35,7 +35,7 @@ SIZES = [
     "eval.benchmarks=[toy_reading]",  # one task: the bench reads every task's score alike
     "flow.retry_delay_s=0",
     "flow.parallel_branches=2",  # on 2 cores: a tiny branch is mostly its process's start-up
-    f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "train.deepspeed=zero2",
 ]
 
 

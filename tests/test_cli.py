@@ -51,7 +51,7 @@ def test_stages_print_summaries_and_keep_the_resolved_config(tmp_path, capsys, m
         f"θ0 {tmp_path / 'warmup' / 'final'} is missing" in early.stderr
         and "merit train --branch warmup" in early.stderr
     )
-    # Any stage re-runs alone from the run directory's resolved config.
+    # A stage with a command of its own re-runs alone from the run directory's resolved config.
     again = merit("prepare", "--run-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
     assert next(line for line in again.stdout.splitlines() if line.startswith("total")) == total

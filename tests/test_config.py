@@ -57,3 +57,34 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(tmp_path / "config.yaml") == cfg
     assert cfg.digest("data") == load_config(tmp_path / "config.yaml").digest("data")
     assert cfg.digest("run") != load_config(DEMO).digest("run")
+
+
+def test_paths_in_a_config_file_are_its_folders_and_an_overrides_the_current_ones(tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    (folder / "data" / "images").mkdir(parents=True)
+    (folder / "model").mkdir()
+    (folder / "config.yaml").write_text(
+        "model: {name_or_path: model}\n"
+        "train: {deepspeed: ds/mine.json}\n"
+        "eval: {include_path: [tasks]}\n"
+        "data:\n  sources:\n"
+        "    - {name: a, format: llava, path: data/a.json, images_dir: data/images}\n"
+        "    - {name: b, format: hub, path: ORG/NAME}\n"
+        "    - {name: c, format: jsonl, path: /abs/c.jsonl}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(folder / "config.yaml", ["data.sources.2.path=c.jsonl"])
+    a, b, c = cfg.data.sources
+    assert (a.path, a.images_dir) == (str(folder / "data/a.json"), str(folder / "data/images"))
+    assert b.path == "ORG/NAME"  # a hub id: no such folder beside the config
+    assert c.path == str(elsewhere / "c.jsonl")  # an override: the current folder's
+    assert cfg.model.name_or_path == str(folder / "model")  # a folder beside the config, not a hub id
+    assert cfg.train.deepspeed_file == folder / "ds/mine.json"
+    assert cfg.eval.include_path == [str(folder / "tasks")]
+    shipped = load_config(None, ["train.deepspeed=zero3"]).train.deepspeed_file
+    assert shipped.is_file() and shipped.parent == Path(__file__).parent.parent / "pipeline/train/deepspeed"
+    saved = tmp_path / "saved.yaml"
+    save_config(cfg, saved)
+    assert load_config(saved) == cfg  # whole paths: read back from anywhere, the same config

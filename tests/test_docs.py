@@ -15,6 +15,7 @@ import typing
 import unicodedata
 from pathlib import Path
 
+import pytest
 from markdown.extensions.toc import slugify
 from pydantic import BaseModel
 
@@ -87,7 +88,7 @@ def test_the_site_builds_strictly(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reference = (site / "reference" / "configuration" / "index.html").read_text()
     assert "diloco.aggregator_deployment" in reference
-    assert (site / "benchmarks" / "results" / "2026-12-01-diloco" / "index.html").is_file()
+    assert (site / "results" / "2026-12-01-diloco" / "index.html").is_file()
 
 
 def test_contributing_places_every_test_module_in_a_tier():
@@ -102,6 +103,52 @@ def test_contributing_places_every_test_module_in_a_tier():
 
 def test_the_generated_reference_pages_are_committed_as_the_code_gives_them():
     assert not hooks().stale_pages(), "run `make reference`"
+
+
+def test_every_key_of_the_reference_pages_has_a_description():
+    docs = hooks()
+    assert docs.undescribed(docs.configuration_sections()) == []
+    assert docs.undescribed(docs.merge_spec_sections()) == []
+
+
+UNDESCRIBED = """
+from pydantic import BaseModel
+
+
+class Inner(BaseModel):
+    kept: int = 0  # a key with its comment
+    bare: int = 0
+
+
+class Outer(BaseModel):
+    # a section, described above its line
+    inner: Inner = Inner()
+    items: list[Inner] = []  # a list of sections
+    plain: str = ""
+"""
+
+
+def test_a_key_without_a_description_fails_the_reference_and_the_build(tmp_path, monkeypatch):
+    """A field with no comment, at the top or inside a section or list item, is named with its file;
+    ``make reference`` (the page's render) and the site's build both refuse it."""
+    from mkdocs.exceptions import PluginError
+
+    source = tmp_path / "undescribed_models.py"
+    source.write_text(UNDESCRIBED)
+    spec = importlib.util.spec_from_file_location("undescribed_models", source)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "undescribed_models", module)
+    spec.loader.exec_module(module)
+    docs = hooks()
+    walked = docs.sections(module.Outer, "")
+    where = source.resolve()
+    assert docs.undescribed(walked) == [f"plain ({where})", f"inner.bare ({where})", f"items[].bare ({where})"]
+    monkeypatch.setattr(docs, "configuration_sections", lambda: walked)
+    named = r"configuration keys without a description \(a # comment on or above the field's line\): plain "
+    with pytest.raises(ValueError, match=named + r".*inner\.bare .*items\[\]\.bare"):
+        docs.render_configuration()
+    with pytest.raises(PluginError, match=named):
+        docs.on_pre_build(None)
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

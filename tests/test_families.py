@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-from pipeline.config import TrainSection
+from pipeline.config import SHIPPED_DEEPSPEED, TrainSection
 from pipeline.data.builtin import make_example
 from pipeline.data.encode import Collator, Encoder
 from pipeline.data.example import Example
@@ -269,7 +269,7 @@ def test_a_shipped_qwen3_config_reads_its_model_from_a_hub_snapshot_and_merges_i
     hub_snapshot(tmp_path / "hf", repo, tmp_path / "download")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HOME", str(tmp_path / "hf"))
-        cfg = load_config(ROOT / "configs" / config, [f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json"])
+        cfg = load_config(ROOT / "configs" / config)
         assert f"({tiny.partition(':')[2]}: " in preflight._theta0(cfg, tmp_path)
         assert preflight._lora(cfg, tmp_path).startswith("LoRA rank 16")
         preflight._deepspeed(cfg, tmp_path)
@@ -351,7 +351,7 @@ def test_a_zero3_branch_of_a_moe_with_partitioned_experts_keeps_theta0s_layout_a
     assert merit(["prepare", "--run-dir", str(run)]) == 0
     built = str(run / "init")
     init = built if layout == "hub" else str(restyled_copy(built, tmp_path / "saved", experts="fused"))
-    zero3 = json.loads((ROOT / "configs/deepspeed/zero3.json").read_text())
+    zero3 = json.loads((SHIPPED_DEEPSPEED / "zero3.json").read_text())
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 1000  # an expert tensor: 4 × 48 × 64
     (tmp_path / "zero3.json").write_text(json.dumps(zero3))
     settings = [f"train.deepspeed={tmp_path / 'zero3.json'}", "train.processes=2", "train.steps=2"]

@@ -1,6 +1,7 @@
 """Who may import whom: the library (``pipeline/``, ``calibration/``) stands alone — no Prefect,
 no flows, no benchmarks, no CLI — so it can be used from a notebook, and ``pipeline/merge`` stands
-apart from the data, model and training code, so it can be used as a merge tool by itself."""
+apart from the data, model and training code (the model families' declarations excepted), so it
+can be used as a merge tool by itself."""
 
 from __future__ import annotations
 

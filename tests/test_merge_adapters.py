@@ -95,7 +95,11 @@ METHODS = [
     ("iso_cts", {}),
     ("breadcrumbs_ties", {"density": 0.8, "gamma": 0.05}),
     ("della", {"density": 0.7, "epsilon": 0.1}),
+    ("della_linear", {"density": 0.6, "epsilon": 0.2}),
     ("dare_ties", {"density": 0.6}),
+    ("dare_linear", {"density": 0.5}),
+    ("breadcrumbs", {"density": 0.8, "gamma": 0.05}),
+    ("fisher", {}),
     ("sce", {"select_topk": 0.5}),
     ("multislerp", {}),
     ("karcher", {}),
@@ -106,19 +110,48 @@ METHODS = [
 TWO_INPUTS = {"nuslerp", "slerp"}
 
 
+def test_every_registered_method_is_in_the_adapter_comparison():
+    from pipeline.merge.registry import METHODS as REGISTERED
+
+    assert {method.name for method in REGISTERED.values()} == {m for m, _ in METHODS}
+
+
+def fisher_files(init, k: int, folder) -> list[str]:
+    """Diagonal Fisher values, random and positive, for every matrix of θ0 (as ``pipeline.fisher`` estimates
+    them on LoRA branches: the dense weights), one file per model: the same file beside an adapter and
+    beside its full checkpoint."""
+    g = torch.Generator().manual_seed(7)
+    matrices = {n: t for n, t in tensors(init).items() if t.ndim == 2 and t.is_floating_point()}
+    paths = []
+    for i in range(k):
+        path = folder / str(i)
+        path.mkdir(parents=True)
+        save_file({n: torch.rand(t.shape, generator=g) for n, t in matrices.items()}, str(path / "model.safetensors"))
+        paths.append(str(path))
+    return paths
+
+
 @pytest.mark.parametrize("method, params", METHODS, ids=[m for m, _ in METHODS])
 def test_every_method_merges_adapters_as_it_merges_their_full_checkpoints(adapters, tmp_path, method, params):
     _, _, init, folders, fulls = adapters
     if method in TWO_INPUTS:
         folders, fulls = folders[:2], fulls[:2]
     fields = {"method": method, "params": params}
-    merge_checkpoints(spec(tmp_path, init, [("adapter", f) for f in folders], "a", **fields), progress=False)
-    merge_checkpoints(spec(tmp_path, init, [("path", f) for f in fulls], "f", **fields), progress=False)
+    for kind, inputs, name in (("adapter", folders, "a"), ("path", fulls, "f")):
+        models = spec(tmp_path, init, [(kind, f) for f in inputs], name).model_dump()["models"]
+        if method == "fisher":  # Fisher values differ per model and tensor, so the weights differ per entry
+            for entry, fisher in zip(models, fisher_files(init, len(inputs), tmp_path / f"fisher-{name}")):
+                entry["fisher"] = fisher
+        merge_checkpoints(spec(tmp_path, init, [], name, models=models, **fields), progress=False)
     ours, reference = tensors(tmp_path / "a"), tensors(tmp_path / "f")
     assert biggest_difference(ours, reference) <= 1e-5
     theta0 = tensors(init)
     untouched = [n for n in theta0 if "k_proj" in n or "gate_proj" in n or "norm" in n]
     assert untouched and all(torch.equal(ours[n], theta0[n]) for n in untouched)  # τ = 0 there, θ0 copied
+    if method == "fisher":  # the Fisher values weigh the entries: not the plain weighted average
+        merge_checkpoints(spec(tmp_path, init, [("adapter", f) for f in folders], "w"), progress=False)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert (ours[name] - tensors(tmp_path / "w")[name]).abs().max() > 1e-4
 
 
 def test_weighted_average_of_adapters_is_theta0_plus_the_weighted_sum_of_scaled_b_a(adapters, tmp_path):

@@ -4,8 +4,11 @@ compared tensor by tensor (mergekit 0.1.5, in the ``dev`` extra).
 Tolerance: the merged task vector within 1e-6 of its largest entry, plus the roundings at θ's
 scale that a file of θ cannot separate from τ: each library adds θ0 back in fp32 (mergekit's
 Model Stock as t · mean + (1 − t) · θ0, three roundings), so up to 4 ulps of θ. The random-mask
-methods run at density 1, where no entry is dropped: their masks come from different generators
-(``torch.bernoulli`` there, seeded SFC64 draws here), and their rescales differ by definition
+methods (DARE, DELLA) run at density 1, where no entry is dropped, and again below 1 with mergekit's
+``torch.bernoulli`` replaced by this library's draws (``SameDraws``) and mergekit's L1 rescale
+(``rescale_norm: l1``): the two libraries draw their masks from different generators
+(``torch.bernoulli`` there, seeded SFC64 draws here), so below density 1 their own outputs differ
+(``test_own_masks_differ_from_mergekit``) and only the rest of the merge can be compared
 (docs/concepts/merge-methods.md).
 """
 
@@ -71,6 +74,47 @@ CASES = {
     ),
     "della": ("della", {}, "della", {"density": 1.0}, {}, 3, True, True),
     "della_linear": ("della_linear", {}, "della_linear", {"density": 1.0}, {}, 3, True, True),
+    # below density 1: mergekit's masks replaced by merit's (share_draws), mergekit's L1 rescale
+    "dare_linear_masks": (
+        "dare_linear",
+        {"density": 0.6, "rescale_norm": "l1"},
+        "dare_linear",
+        {"density": 0.6},
+        {},
+        3,
+        True,
+        True,
+    ),
+    "dare_ties_masks": (
+        "dare_ties",
+        {"density": 0.7, "rescale_norm": "l1"},
+        "dare_ties",
+        {"density": 0.7},
+        {},
+        3,
+        True,
+        True,
+    ),
+    "della_masks": (
+        "della",
+        {"density": 0.6, "epsilon": 0.1, "rescale_norm": "l1"},
+        "della",
+        {"density": 0.6, "epsilon": 0.1},
+        {},
+        3,
+        True,
+        True,
+    ),
+    "della_linear_masks": (
+        "della_linear",
+        {"density": 0.5, "epsilon": 0.2, "rescale_norm": "l1"},
+        "della_linear",
+        {"density": 0.5, "epsilon": 0.2},
+        {},
+        3,
+        True,
+        True,
+    ),
     "nuslerp": ("nuslerp", {}, "nuslerp", {}, {}, 2, True, True),
     "nuslerp_rows": ("nuslerp", {"nuslerp_flatten": False}, "nuslerp", {}, {"nuslerp_flatten": False}, 2, True, True),
     "nuslerp_columns": (
@@ -169,14 +213,30 @@ def assert_same_merge(ours: dict, theirs: dict, base: dict | None) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_equal_to_mergekit(case, checkpoints, tmp_path):
+def test_equal_to_mergekit(case, checkpoints, tmp_path, monkeypatch):
     ours_method, params, theirs_method, per_model, shared, k, with_base, weighted = CASES[case]
     base, models = checkpoints
     base, models = (base if with_base else None), models[:k]
+    if theirs_method.startswith(("dare", "della")) and per_model["density"] < 1:  # mergekit given merit's masks
+        share_draws(monkeypatch, theirs_method.split("_")[0], base, models)
     theirs = run_mergekit(theirs_method, per_model, shared, base, models, tmp_path / "theirs")
     weights = WEIGHTS[:k] if weighted else [1.0] * k  # mergekit's karcher, model_stock and sce weigh equally
     ours = run_ours(ours_method, params, base, models, weights, tmp_path / "ours")
     assert_same_merge(ours, theirs, tensors(base) if base else None)
+
+
+@pytest.mark.parametrize("case", ["dare_linear_masks", "della_masks"])
+def test_own_masks_differ_from_mergekit(case, checkpoints, tmp_path):
+    """Below density 1, each library with its own draws: the masks differ (``torch.bernoulli`` on
+    mergekit's global generator there, SFC64 seeded by tensor, model and position here), so the
+    merges do; the cases above agree once mergekit is given merit's masks."""
+    ours_method, params, theirs_method, per_model, shared, k, _, _ = CASES[case]
+    base, models = checkpoints
+    torch.manual_seed(0)
+    theirs = run_mergekit(theirs_method, per_model, shared, base, models[:k], tmp_path / "theirs")
+    ours = run_ours(ours_method, params, base, models[:k], WEIGHTS[:k], tmp_path / "ours")
+    with pytest.raises(AssertionError):
+        assert_same_merge(ours, theirs, tensors(base))
 
 
 def test_slerp_equal_to_mergekit(checkpoints, tmp_path):

@@ -1,7 +1,13 @@
 """θ0 named by a hub id or a plain folder, and the checks a flow runs before anything trains."""
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -114,7 +120,7 @@ AVG = "diloco.methods=[{name: avg, method: weighted_average}]"
 
 
 def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
-    settings = ["train.deepspeed=configs/deepspeed/zero3.json", "diloco.shards=random", "diloco.workers=3"]
+    settings = ["train.deepspeed=zero3", "diloco.shards=random", "diloco.workers=3"]
     cfg = load_config(ROOT / "configs/demo.yaml", [s.replace("configs/", f"{ROOT}/configs/") for s in settings])
     with pytest.raises(PreflightError) as err:
         check_run(cfg, tmp_path / "run", diloco=True)
@@ -141,3 +147,78 @@ def test_the_diloco_check_names_what_would_stop_its_workers(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(ROOT / "configs/demo.yaml", bad)
+
+
+class HubStandIn(ThreadingHTTPServer):
+    """The hub's two answers ``merit check`` asks for, on 127.0.0.1: a repository's info (gated or
+    not) and, for a gated one, the token's access check, refused as the hub refuses it."""
+
+    def __init__(self, gated: set[str]):
+        self.gated = gated
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                asked = re.fullmatch(
+                    r"/api/(?:models|datasets)/([^/]+/[^/]+)(/auth-check)?(?:/.*)?", self.path.split("?")[0]
+                )
+                if asked is None:  # anything else huggingface_hub asks for
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                repo, check = asked.groups()
+                closed = repo in gated
+                if check and closed:
+                    self.send_response(403)
+                    self.send_header("X-Error-Code", "GatedRepo")
+                    self.send_header("X-Error-Message", f"Access to {repo} is restricted")
+                    self.end_headers()
+                    return
+                body = json.dumps(
+                    {"id": repo, "sha": "0" * 40, "gated": "manual" if closed else False, "private": False}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_check_from_any_folder_names_the_same_missing_data_online_and_offline(tmp_path, monkeypatch, capsys):
+    """``merit check`` of the shipped 3B config from a folder outside the repository: its DeepSpeed
+    config found, the run directory named, and the same data sets missing with HF_HUB_OFFLINE (here)
+    and without it (a process of its own: huggingface_hub reads it once); online the hub's word is
+    added: which of them is gated, and that the token here lacks access."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    assert merit(["check", str(ROOT / "configs/qwen2_5_vl_3b.yaml")]) == 2
+    offline = capsys.readouterr()
+    hub = HubStandIn(gated={"AI4Math/MathVista"})
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    run = subprocess.run(
+        [sys.executable, "-m", "merit", "check", str(ROOT / "configs/qwen2_5_vl_3b.yaml")],
+        cwd=tmp_path,
+        env=env | {"HF_ENDPOINT": f"http://127.0.0.1:{hub.server_port}"},
+        capture_output=True,
+        text=True,
+    )
+    hub.shutdown()
+    assert run.returncode == 2, run.stderr
+    for out in (offline.out, run.stdout):
+        assert f"run directory: {tmp_path / 'runs' / 'qwen2.5-vl-3b'}" in out
+    missing = [
+        set(re.findall(r"its data (\S+) is not in the Hugging Face cache", e)) for e in (offline.err, run.stderr)
+    ]
+    assert len(missing[0]) == 8 and missing[0] == missing[1]
+    for err in (offline.err, run.stderr):
+        assert "deepspeed" not in err and "hf download Qwen/Qwen2.5-VL-3B-Instruct" in err  # zero2 found from here
+    gated = "MathVista --repo-type dataset` (gated: accept its terms at https://huggingface.co/datasets/AI4Math/"
+    assert gated in run.stderr and run.stderr.count("(gated") == 1 and "the token here has no access" in run.stderr
+    assert "gated" not in offline.err

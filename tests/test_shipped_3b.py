@@ -37,7 +37,7 @@ def overrides(annotation: Path, images: Path) -> list[str]:
     return [
         f"data.sources.0.path={annotation}",  # paths
         f"data.sources.0.images_dir={images}",
-        f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json",  # ZeRO-3, as a 7B run needs
+        "train.deepspeed=zero3",  # ZeRO-3, as a 7B run needs
         "model.min_pixels=3136",  # sizes: images of 56-112 px
         "model.max_pixels=12544",
         "calibration.n_per_source=4",

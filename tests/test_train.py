@@ -33,9 +33,7 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("zero, processes", [(2, 2)])  # ZeRO-0 on 1 rank and ZeRO-3 on 2: below
 def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero, processes):
     out = tmp_path / f"z{zero}p{processes}"
-    branch = spec(
-        run_dir, out, f"train.deepspeed={ROOT}/configs/deepspeed/zero{zero}.json", f"train.processes={processes}"
-    )
+    branch = spec(run_dir, out, f"train.deepspeed=zero{zero}", f"train.processes={processes}")
     result = train_branch(branch, echo=False)
     assert result.steps == 12 and result.tokens_seen > 0 and not result.resumed
     manifest = verify_checkpoint(out / "final")
@@ -65,7 +63,7 @@ def test_branch_trains_and_writes_a_loadable_checkpoint(run_dir, tmp_path, zero,
 def test_a_zero3_branch_sigkilled_on_two_ranks_resumes_to_the_same_weights(run_dir, tmp_path):
     # Answers projected 3 positions at a time: the ranks' micro batches need different numbers of
     # projections, and under ZeRO-3 they must still make the same number (gloo aborts otherwise).
-    zero3 = [f"train.deepspeed={ROOT}/configs/deepspeed/zero3.json", "train.processes=2", "train.loss_chunk=3"]
+    zero3 = ["train.deepspeed=zero3", "train.processes=2", "train.loss_chunk=3"]
     reference = train_branch(spec(run_dir, tmp_path / "straight", *zero3), echo=False)
     killed = spec(run_dir, tmp_path / "killed", *zero3)
     sigkill_after_checkpoint(killed.save(tmp_path / "killed" / "spec.json"), 2, step=4)
@@ -85,7 +83,7 @@ def test_accumulated_micro_batches_train_as_one_larger_batch_along_the_golden_cu
     frozen inputs of tests/golden, so only a change of the trainer moves the curves: these two, and
     the packed trainer's own."""
     run_dir = golden_run(tmp_path / "golden-run")
-    zero0 = f"train.deepspeed={ROOT}/configs/deepspeed/zero0.json"
+    zero0 = "train.deepspeed=zero0"
     padded = [zero0, "train.steps=8", "train.packing=false"]
     first = spec(run_dir, tmp_path / "one", *padded, "train.micro_batch=8", sources=["golden"])
     one = train_branch(first, echo=False)

@@ -202,7 +202,7 @@ def main(args: argparse.Namespace) -> None:
     settings += [f"train.steps={args.steps}", f"train.checkpoint_every={10**9}", "train.warmup_ratio=0.1"]
     if size != "tiny":
         settings += [*width_overrides(size), "data.builtin.examples_per_source=64"]
-        settings += ["train.deepspeed=configs/deepspeed/zero2.json", "train.processes=1"]
+        settings += ["train.deepspeed=zero2", "train.processes=1"]
     run_dir = run_config(args.config, args.overrides, args.run_dir)[1]  # where the corpus goes
     args.overrides = [*settings, *corpus_overrides(args, run_dir), *args.overrides]  # the command line's own last
     cfg, run_dir = resolve_run(args)

@@ -38,7 +38,7 @@ from pipeline.config import ConfigError, SourceSpec
 from pipeline.data.example import DataError
 from pipeline.data.formats import RecordParser
 from pipeline.data.tables import TableImage, batches, is_table, num_rows, schema
-from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache
+from pipeline.hub import REPO_ID, dataset_snapshot, datasets_cache, hub_access
 
 SHAPES = {  # text column -> the image columns that shape may have
     "texts": ("images",),  # the Cauldron
@@ -175,7 +175,7 @@ def _snapshot(spec: SourceSpec) -> Path:
         raise HubDataNotFoundError(
             f"source '{spec.name}': {where}the data set {spec.path} is not in the Hugging Face cache. "
             f"Download it first: `{download_command(spec, None, [])}` "
-            "(with HF_HOME pointing at the cache the run reads)"
+            f"(with HF_HOME pointing at the cache the run reads){hub_access(spec.path, 'dataset')}"
         )
     return folder
 

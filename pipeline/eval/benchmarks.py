@@ -61,7 +61,7 @@ from pipeline.data.benchmark import (
 from pipeline.devices import benchmark_gpus, visible_devices
 from pipeline.eval.judge import check_judge, failed_judgements, judge_environment, judge_style
 from pipeline.eval.lmms_tasks import TaskPlan, folder_digest, plan_tasks, plans_and_problems, prompts_of, score
-from pipeline.hub import dataset_built, dataset_snapshot, hub_cache, offline
+from pipeline.hub import dataset_built, dataset_snapshot, hub_access, hub_cache
 from pipeline.layout import EVAL
 from pipeline.models.adapter import adapter_base, is_adapter
 from pipeline.models.families import Family, family_of_config
@@ -183,15 +183,15 @@ def _uncounted(task: str) -> str:
 
 def _missing(task: str, dataset: str) -> str:
     return (
-        f"task '{task}': its data {dataset} is not in the Hugging Face cache {hub_cache()} and HF_HUB_OFFLINE is set; "
-        f"fetch it first: hf download {dataset} --repo-type dataset"
+        f"task '{task}': its data {dataset} is not in the Hugging Face cache {hub_cache()}; "
+        f"fetch it first: `hf download {dataset} --repo-type dataset`{hub_access(dataset, 'dataset')}"
     )
 
 
 def _cached(dataset: str) -> bool:
-    """A dataset repository in the hub cache, or built by ``datasets`` in its own cache; online,
-    lmms-eval downloads what is missing."""
-    return not offline() or dataset_built(dataset) or dataset_snapshot(dataset) is not None
+    """A dataset repository in the hub cache, or built by ``datasets`` in its own cache. Online or
+    not, the same answer: the jobs read their data from the caches only (:func:`job_environment`)."""
+    return dataset_built(dataset) or dataset_snapshot(dataset) is not None
 
 
 # --- where and how: slots, plans, identities ------------------------------------------------
@@ -487,11 +487,12 @@ def _launcher(slot: Slot, lifetime: bool = False) -> list[str]:
 
 
 def job_environment(cfg: RunConfig, plan: TaskPlan, slot: Slot = Slot()) -> dict[str, str]:
-    """Offline datasets when the hub is offline; the judge's settings for a judged task (its
-    lmms-eval module reads them when imported); the job's CPU threads (its share of the
+    """Offline always: the data sets from the caches, where preflight found them (online, a gated
+    set would need a token at evaluation, after the training); the judge's settings for a judged
+    task (its lmms-eval module reads them when imported); the job's CPU threads (its share of the
     machine's: :func:`benchmark_slots`); its GPUs, through this process' own list; transformers'
     hub kernels only when ``model.use_kernels`` asks (lmms-eval loads the model itself)."""
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if offline() else {}
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env["USE_HUB_KERNELS"] = "YES" if cfg.model.use_kernels else "NO"
     style = next((judge_style(t) for t in plan.tasks if judge_style(t)), None)
     if style:

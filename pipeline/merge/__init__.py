@@ -1,9 +1,10 @@
 """The merge library: one function per method over one tensor, rules choosing a method per
-tensor, and a streaming driver over safetensors checkpoints. Stands alone: no import of the
-data, model or training code; it needs torch, safetensors, numpy, pydantic, PyYAML and tqdm, and
-four small modules of this package (checkpoint, threads, lazy, and the model families' declarations,
-``pipeline.models.families``: names, no model code). Exports import their submodule
-on first use."""
+tensor, and a streaming driver over safetensors checkpoints. No import of the data or training
+code, and of the model code only the model families' declarations: it needs torch, safetensors,
+numpy, pydantic, PyYAML and tqdm, three modules of this package (checkpoint, threads, lazy) and
+the package ``pipeline.models.families`` (groups, checkpoint layouts), whose family modules import
+transformers only inside functions a merge does not call (tiny models, processors, vision
+shapes). Exports import their submodule on first use."""
 
 from pipeline.lazy import lazy_exports
 

@@ -32,10 +32,10 @@ def groups() -> dict[str, tuple[str, ...]]:
 
 class Rule(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pattern: str | None = None
-    group: str | None = None
-    method: str
-    params: dict[str, Any] = {}
+    pattern: str | None = None  # a shell glob over a tensor's names (as stored, or as its module names it)
+    group: str | None = None  # or a group the model families declare (embeddings, lm_head, vision_tower, router...)
+    method: str  # the merge method of the tensors it matches
+    params: dict[str, Any] = {}  # that method's parameters
 
     @model_validator(mode="after")
     def _one_selector(self) -> Rule:

@@ -40,8 +40,8 @@ class ModelEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = None  # a checkpoint folder (or safetensors file)
     adapter: str | None = None  # or a PEFT LoRA adapter folder over base_model
-    weight: float | None = Field(None, ge=0.0)
-    tokens: int | None = Field(None, ge=0)
+    weight: float | None = Field(None, ge=0.0)  # its weight (default 1), normalised over the models' sum
+    tokens: int | None = Field(None, ge=0)  # or its training tokens, weighted in proportion (for every model or none)
     fisher: str | None = None  # a checkpoint of diagonal Fisher values with the same tensor names
 
     @model_validator(mode="after")
@@ -65,19 +65,23 @@ class ModelEntry(BaseModel):
 
 class MergeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # θ0, the checkpoint the task vectors are taken from; needed by adapters and by every method but
+    # weighted_average, slerp, nuslerp, multislerp and karcher
     base_model: str | None = None
-    models: list[ModelEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(min_length=1)  # the models merged, each a checkpoint or an adapter
+    # One merge method for every tensor (routers averaged), e.g. iso_c (docs/concepts/merge-methods.md); or rules.
     method: str | None = None
-    params: dict[str, Any] = {}
-    rules: list[Rule] | None = None
-    out_path: str
+    params: dict[str, Any] = {}  # the method's parameters, e.g. {scale: 1.0}
+    rules: list[Rule] | None = None  # per tensor: the first rule whose pattern or group matches gives its method
+    out_path: str  # the folder the merged model is written to
+    # the output's dtype; default: the models' (the wider one if they differ). Compute is in fp32.
     out_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    out_format: Literal["model", "adapter"] = "model"
+    out_format: Literal["model", "adapter"] = "model"  # a full checkpoint, or a PEFT LoRA adapter (inputs: adapters)
     # out_format adapter: the rank each merged ΔW is truncated to by SVD (the linear methods need
     # none: their ΔW is the inputs' B A side by side, exact at rank Σ r_k).
     adapter_rank: int | None = Field(None, ge=1)
-    device: Literal["cpu", "cuda"] = "cpu"
-    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"  # where the tensors are merged
+    seed: int = 0  # seeds the random draws of DARE and DELLA (with each tensor's name)
     max_shard_size: int = Field(2 * 1024**3, ge=1)  # bytes per output shard
     # The fp32 working set of an element-wise method (TIES, DARE, Fisher): a tensor whose K task
     # vectors exceed it is merged in row blocks, each pass reading it again.

@@ -15,7 +15,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -80,7 +79,7 @@ def deepspeed_config(t: TrainSection, world: int, dtype: torch.dtype) -> dict[st
     """The branch's DeepSpeed JSON with the batch sizes and clipping of its ``train`` section.
     ``bf16.enabled: "auto"`` follows the model's dtype: bf16 weights train in DeepSpeed's bf16
     mode (fp32 master weights), fp32 weights in fp32."""
-    config = json.loads(Path(t.deepspeed).read_text())
+    config = json.loads(t.deepspeed_file.read_text())
     if config.get("bf16", {}).get("enabled") == "auto":
         config["bf16"]["enabled"] = dtype == torch.bfloat16
     micro = 1 if t.packing else t.micro_batch  # a packed micro batch is one row

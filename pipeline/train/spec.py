@@ -108,8 +108,8 @@ class BranchSpec(BaseModel):
         except (CheckpointError, ModelNotFoundError) as err:
             why = f"init checkpoint {self.init} is missing or incomplete: {err}"
             raise ValueError(f"branch {self.name}: {why}") from None
-        if not Path(self.train.deepspeed).is_file():
-            raise ValueError(f"branch {self.name}: DeepSpeed config {self.train.deepspeed} not found")
+        if not self.train.deepspeed_file.is_file():
+            raise ValueError(f"branch {self.name}: DeepSpeed config {self.train.deepspeed_file} not found")
         if self.train.packing:
             self._check_budget()
 
