@@ -1,7 +1,7 @@
 """``merit bench diloco``'s building blocks: the stdlib corpus and its file-level split, and one
 round of plain averaging, checked against the workers' weights averaged by hand; ``merit bench
 aggregators``' bytes against their arithmetic; ``merit bench diloco --slow``'s sync modes with a
-really slow worker process."""
+really slow worker process, and its servers against the library's rounds."""
 
 import json
 import math
@@ -16,6 +16,7 @@ from merit.bench.diloco import (
     CONTEXT,
     EOD,
     MAX_FILE_BYTES,
+    METHODS,
     Learner,
     lm_loss,
     load_corpus,
@@ -256,7 +257,7 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
             assert r["loss_at_sync_wall"] == at_sync
     payload = 4 * sum(p.numel() for p in tiny_qwen2().parameters())
 
-    sync = modes["sync"]
+    sync = modes["sync"]  # every round takes all R payloads, a quorum round the first Q = 1
     assert [(r["aggregated"], r["stragglers"]) for r in sync["rounds"]] == [([0, 1], [])] * T
     assert [w["applied"] for w in sync["workers"]] == [T, T] and sync["bytes_sent"] == R * T * payload
 
@@ -282,18 +283,83 @@ def test_straggler_bench_compares_the_sync_modes_with_a_really_slow_worker_proce
 
     asynchronous = timed["async"]
     assert len(asynchronous["arrivals"]) == R * T_async
+    assert [a["weight"] for a in asynchronous["arrivals"]] == [1 / R] * (R * T_async)  # the library's default
+    assert all(a["staleness"] == i - a["base"] >= 0 for i, a in enumerate(asynchronous["arrivals"]))
     assert [w["applied"] for w in asynchronous["workers"]] == [T_async, T_async]
     fast, slow = (w["steps_per_payload"] for w in asynchronous["workers"])
     assert fast[0] == slow[0] == H and sum(slow[1:]) < sum(fast[1:])  # DyLU
     assert asynchronous["wall_seconds"] < timed["sync"]["wall_seconds"]
 
 
-def test_dylu_steps_follow_the_measured_speeds():
-    from merit.bench.stragglers import dylu_steps
+def fed_payloads(theta: dict[str, torch.Tensor], *arrivals: tuple[int, int, int, float]) -> list[tuple[dict, dict]]:
+    """(Δ, the message a worker sends) of each (worker, base global, tokens, inner seconds): a random
+    Δ of θ's shapes, uncompressed, 100 tokens a step."""
+    from merit.bench.stragglers import pack
 
-    assert dylu_steps(30, {}, 0) == 30  # not measured yet
-    speeds = {0: 10.0, 1: 10 / 3, 2: 0.1}
-    assert [dylu_steps(30, speeds, k) for k in (0, 1, 2, 3)] == [30, 10, 1, 30]
+    g, fed = torch.Generator().manual_seed(len(arrivals)), []
+    for n, (k, base, tokens, seconds) in enumerate(arrivals):
+        delta = {name: 0.1 * torch.randn(t.shape, generator=g) for name, t in theta.items()}
+        message = {"worker": k, "n": n, "base": base, "steps": tokens // 100, "tokens": tokens}
+        fed.append((delta, message | {"delta": pack(delta), "bytes": 4, "inner_seconds": seconds}))
+    return fed
+
+
+def test_the_straggler_bench_takes_payloads_weighs_and_steps_as_the_librarys_rounds():
+    """The bench's servers, fed payloads in-process (R = 3, Q = 2, T = 2). A quorum round closes at
+    the Q-th payload from its global and takes those in worker order, weighted by tokens: θ and the
+    momentum bit for bit those of the library's ``aggregate_deltas`` with ``RoundPolicy``'s weights.
+    A late payload is dropped (its worker sent the newest global at once) or, discounted, enters the
+    next round at 1 / (1 + staleness). Async: every arrival applied by ``AsyncOuter`` (1 / R each),
+    the steps of a worker's next payload ``RoundPolicy.local_steps`` of the measured speeds."""
+    from merit.bench.stragglers import ArrivalServer, RoundServer, Setting
+    from pipeline.diloco.aggregate import AsyncOuter, aggregate_deltas
+    from pipeline.diloco.policy import RoundPolicy
+
+    g = torch.Generator().manual_seed(0)
+    theta0 = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    setting = Setting(workers=3, inner_steps=4, rounds=2, slow={}, quorum=2)
+    method = METHODS[setting.method]
+    assert setting.policy("sync") == RoundPolicy(3, 4, None, "tokens")
+    assert setting.policy("quorum-drop") == setting.policy("quorum-discount") == RoundPolicy(3, 4, 2, "tokens")
+    assert setting.policy("async") == RoundPolicy(3, 4, None, "equal")
+    # Round 0: workers 2 and 0 (worker 1 a straggler); round 1: worker 1's late payload, then 0 and 1.
+    fed = fed_payloads(theta0, (2, 0, 300, 1.0), (0, 0, 100, 1.0), (1, 0, 200, 1.0), (0, 1, 100, 1.0), (1, 1, 200, 1.0))
+    (d2, _), (d0, _), _, (e0, _), (e1, _) = fed
+
+    drop = RoundServer(setting, "quorum-drop", theta0, clock=lambda: 0.0)
+    assert [drop.take(p) for _, p in fed] == [[], [(0, 4), (2, 4)], [(1, 4)], [], []]
+    theta, momentum = {n: t.clone() for n, t in theta0.items()}, {}
+    for deltas, tokens in [([d0, d2], [100, 300]), ([e0, e1], [100, 200])]:
+        weights = RoundPolicy(3, 4, 2).weights(tokens)
+        aggregate_deltas(theta, deltas, weights, list(method.rules), method.outer, momentum, sent=0)
+    assert all(torch.equal(drop.theta[n], theta[n]) and torch.equal(drop.momentum[n], momentum[n]) for n in theta)
+    assert [(r["aggregated"], r["stragglers"]) for r in drop.rounds] == [([0, 2], [1]), ([0, 1], [2])]
+    assert drop.rounds[1]["late_dropped"] == [{"worker": 1, "base": 0, "arrived_at_version": 1}]
+    assert drop.rounds[0]["weights"] == pytest.approx([0.25, 0.75]) and drop.done
+    assert [(s.payloads, s.applied, s.dropped) for s in drop.stats] == [(2, 2, 0), (2, 1, 1), (1, 1, 0)]
+
+    discount = RoundServer(setting, "quorum-discount", theta0, clock=lambda: 0.0)
+    for _, p in fed:
+        discount.take(p)
+    (x,) = discount.rounds[1]["late_applied"]
+    assert x == {"worker": 1, "base": 0, "staleness": 1, "factor": 0.5}
+    assert discount.rounds[1]["weights"] == pytest.approx([100 / 400, 200 / 400, 100 / 400])  # 200 tokens × 1/2
+    assert [s.applied for s in discount.stats] == [2, 2, 1]
+
+    sync = RoundServer(setting, "sync", theta0, clock=lambda: 0.0)
+    assert [sync.take(p) for _, p in fed[:3]] == [[], [], [(0, 4), (1, 4), (2, 4)]]  # all R
+
+    arrivals = ArrivalServer(setting, "async", theta0, clock=lambda: 0.0)
+    timed = fed_payloads(theta0, (0, 0, 400, 1.0), (1, 0, 400, 4.0), (0, 1, 400, 1.0), (2, 0, 400, 2.0))
+    sends = [arrivals.take(p) for _, p in timed]
+    theta = {n: t.clone() for n, t in theta0.items()}
+    outer = AsyncOuter(theta, method.outer, window=3)
+    expected = [outer.apply(d, 400) for d, _ in timed]
+    assert [a["weight"] for a in arrivals.arrivals] == expected == [1 / 3] * 4
+    assert all(torch.equal(arrivals.theta[n], theta[n]) for n in theta)
+    assert [a["staleness"] for a in arrivals.arrivals] == [0, 1, 1, 3]
+    # Speeds 4, 1, 4, 2 steps a second: worker 1 at a quarter of the fastest, worker 2 at half.
+    assert sends == [[(0, 4)], [(1, 1)], [], [(2, 2)]]  # worker 0 has sent its T = 2
 
 
 def test_a_worker_failure_surfaces_with_its_traceback_and_no_process_outlives_the_pool(small_corpus):

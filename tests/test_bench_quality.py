@@ -126,6 +126,7 @@ def test_paired_statistics_are_the_papers():
     assert paired([2.0])["low"] is None  # one value: no interval
 
 
+@pytest.mark.release  # a measurement command's own run
 def test_the_bench_runs_the_shipped_config_and_reports_each_case(prefect_api, tmp_path):
     args = ["--seeds", "0", "--k", "2", "--factors", "--full-seeds", "1", "--joint-epochs", "2"]  # opposed conflicts
     merges = ["token_average", "ties"]

@@ -63,6 +63,7 @@ def test_a_measurement_whose_process_dies_first_raises_instead_of_waiting_for_it
         run_in_process(sys.exit)
 
 
+@pytest.mark.release  # a measurement command's own run
 def test_memory_measures_every_stage_and_the_merge_it_ran(small_run, capsys):
     sizes = ["--size", "small", "--k", "2", "--methods", "weighted_average", "--steps", "2"]
     merit(["bench", "memory", DEMO, "--run-dir", str(small_run), *sizes])
@@ -77,6 +78,7 @@ def test_memory_measures_every_stage_and_the_merge_it_ran(small_run, capsys):
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
 
 
+@pytest.mark.release  # a measurement command's own run
 def test_load_times_every_stage_alone_and_beside_busy_processes(small_run, capsys):
     sizes = ["--size", "small", "--steps", "3", "--repeats", "1", "--load", "1"]
     merit(["bench", "load", DEMO, "--run-dir", str(small_run), *sizes])
@@ -121,6 +123,7 @@ def bench_lines(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.release  # a measurement command's own run
 def test_train_at_a_real_width_ends_with_a_json_line_of_its_figures(tmp_path, capsys):
     """The path `merit bench train --device cuda` takes at 3B (the shipped 3B config's batch), at the
     small widths on CPU, with a smaller token budget, and a profile of two steps."""

@@ -52,7 +52,7 @@ OVERRIDES = [
     "warmup.steps=0",
     "train.micro_batch=4",
     "train.max_tokens=256",  # about 4 of the built-in examples a packed micro batch
-    f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json",
+    "train.deepspeed=zero2",
     "flow.joint_baseline=false",
     "flow.retry_delay_s=0",
     "diloco.inner_steps=2",
@@ -108,6 +108,29 @@ def test_async_payloads_weigh_alike_by_default_or_their_tokens_against_the_mean_
     assert outer.apply({"w": torch.ones(2)}, tokens=100) == 0.5
     assert outer.apply({"w": torch.ones(2)}, tokens=50) == pytest.approx(50 * 2 / (2 * 150), rel=1e-15, abs=0)
     assert torch.allclose(outer.theta["w"], torch.full((2,), -(0.5 + 1 / 3)), atol=0, rtol=1e-7)
+
+
+def test_the_round_policy_closes_rounds_tells_late_payloads_weighs_and_scales_async_steps():
+    """``RoundPolicy``, what the flow's rounds and the straggler bench decide by: a round closes once
+    every worker has sent or failed, or at the quorum; a payload is late once its round's global is
+    past or its members leave the worker out; weights by tokens or equal, summing to 1; async steps
+    H scaled by speed against the fastest, at least 1, H unmeasured or with dynamic steps off."""
+    from pipeline.diloco.policy import RoundPolicy, default_weighting
+
+    sync, quorum = RoundPolicy(size=3, inner_steps=30), RoundPolicy(size=3, inner_steps=30, quorum=2)
+    assert not sync.round_closes([0, 2], failed={}) and sync.round_closes([0, 2], failed={1: "exit code 1"})
+    assert sync.round_closes([0, 1, 2], failed=()) and quorum.round_closes([2, 0], failed=())
+    assert not quorum.round_closes([1], failed=()) and quorum.round_closes([1], failed={0: "", 2: ""})
+    assert quorum.stragglers([0, 2], failed=()) == [1] and sync.stragglers([0], failed={1: ""}) == [2]
+    assert RoundPolicy.closed_to(r=1, k=0, newest=2, members=None)  # its global is past
+    assert RoundPolicy.closed_to(r=1, k=0, newest=1, members=[1, 2]) and not RoundPolicy.closed_to(1, 0, 1, [0, 1])
+    assert not RoundPolicy.closed_to(r=1, k=0, newest=1, members=None)  # still open
+    assert sync.weights([100, 300]).tolist() == [0.25, 0.75]
+    assert RoundPolicy(2, 30, weighting="equal").weights([100, 300]).tolist() == [0.5, 0.5]
+    assert [default_weighting(s) for s in ("sync", "quorum", "async")] == ["tokens", "tokens", "equal"]
+    speeds = {0: 10.0, 1: 10 / 3, 2: 0.1}
+    assert [sync.local_steps(speeds, k) for k in (0, 1, 2, 3)] == [30, 10, 1, 30]  # 3: not measured yet
+    assert RoundPolicy(3, 30, dynamic_steps=False).local_steps(speeds, 1) == 30
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (13,), (3, 4, 2), ()])
@@ -526,7 +549,7 @@ def test_the_round_loop_runs_from_python_without_prefect(diloco_run):
     """``pipeline.diloco.loop.run_rounds`` alone: the workers processes of this machine, a round's
     two parts threads of this one; the global loads with transformers."""
     _, run_dir = diloco_run
-    deepspeed = f"train.deepspeed={ROOT}/configs/deepspeed/zero2.json"
+    deepspeed = "train.deepspeed=zero2"
     settings = ["diloco.workers=2", "diloco.rounds=1", "diloco.inner_steps=1", "diloco.aggregators=2", deepspeed]
     cfg = load_config(run_dir / "config.yaml", [*settings, "diloco.eval_every=0", "train.micro_batch=4"])
     entry = DilocoMethod(name="loop", method="iso_c", outer_lr=1.0, outer_momentum=0.0)

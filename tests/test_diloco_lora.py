@@ -136,6 +136,7 @@ def global_dir_of(run_dir: Path, r: int) -> Path:
     return run_dir / "diloco" / VARIANT / "global" / str(r)
 
 
+@pytest.mark.release  # a second kill of a DiLoCo flow (test_diloco_kills)
 def test_a_killed_lora_flow_resumes_to_the_same_global_weights(lora_flow, tmp_path):
     """Killed once global 1 exists (the workers training round 2, or done with it: a tiny round
     can finish before the kill lands): each re-run worker resumes its checkpoint (AdamW state, data

@@ -193,6 +193,7 @@ def test_merit_on_a_tiny_internvl_runs_every_stage_and_lmms_eval_scores_it(prefe
     assert score["identity"]["model"] == "merit_internvl" and score["score"] is not None, score
 
 
+@pytest.mark.release  # both flows again, on the dense families
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_merit_then_diloco_on_a_dense_qwen3_family_runs_every_stage(prefect_api, tmp_path, family):
     """The dense Qwen3 families through both flows in one run directory (DiLoCo reuses θ0 and the

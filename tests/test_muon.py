@@ -82,6 +82,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(run_dir, tmp_path, ze
     assert ratio[True] / ratio[False] == pytest.approx(t.muon_lr / t.lr)
 
 
+@pytest.mark.release  # a second kind of branch killed (test_train's, test_lora's)
 def test_a_muon_branch_sigkilled_resumes_to_the_same_weights(run_dir, tmp_path):
     reference = train_branch(branch_spec(run_dir, tmp_path / "straight", MUON, "train.processes=2"), echo=False)
     killed = branch_spec(run_dir, tmp_path / "killed", MUON, "train.processes=2")

@@ -8,6 +8,7 @@ a judge's failures are caught and cost the task its score, and nothing is delete
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -193,3 +194,13 @@ def test_a_headline_override_is_scored_on_the_scale_its_metric_reports(paper):
         "score": 50.0,
         "examples": 2,
     }
+
+
+def test_the_first_real_run_page_downloads_every_data_set_of_the_shipped_benchmarks(tmp_path):
+    """docs/first-real-run.md's download commands: exactly the data sets lmms-eval's task files name
+    for the 3B config's eight benchmarks, each beside its task."""
+    plans = task_plans(load_config(CONFIG), tmp_path)
+    wanted = {(d, task) for task, plan in plans.items() for d in plan.datasets}
+    page = (ROOT / "docs" / "first-real-run.md").read_text()
+    listed = set(re.findall(r"^hf download (\S+) --repo-type dataset +# (\S+)$", page, re.MULTILINE))
+    assert len(plans) == 8 and listed == wanted

@@ -242,6 +242,7 @@ def test_a_branch_whose_machine_is_lost_is_crashed_resubmitted_and_resumed(serve
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
+@pytest.mark.release  # the DiLoCo flow's deployment; its rounds: test_diloco
 def test_a_diloco_deployment_run_trains_its_workers_as_flow_runs_of_the_branch_deployment(server, tmp_path):
     """The DiLoCo workers live for the whole run, each a flow run of merit-branch/branch-local (on
     a GPU pool: a machine each), while the diloco run aggregates their rounds in two parts, each a

@@ -21,6 +21,8 @@ from pipeline.merge import CheckpointReader, ModelView
 from pipeline.models import build_tiny_model
 from pipeline.models.saving import save_as_hub
 
+pytestmark = pytest.mark.release  # a shipped config of a large model's shape: make test-release
+
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen3_vl_30b_a3b_lora.yaml"
 FUSED = "model.language_model.layers.0.mlp.experts.gate_up_proj"

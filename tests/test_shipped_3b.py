@@ -1,5 +1,6 @@
-"""The shipped ``configs/qwen2_5_vl_3b.yaml`` run end to end, as a user would start it, with only
-sizes, paths and the device overridden: θ0 named by its hub id and found in a hub-shaped cache
+"""The shipped ``configs/qwen2_5_vl_3b.yaml`` run end to end, as a user would start it, with what
+:func:`overrides` lists changed (paths, sizes, the merge device, K = 2, ZeRO-3 on 2 ranks, a toy
+benchmark for the eight; the config's header says the same): θ0 named by its hub id and found in a hub-shaped cache
 (a random Qwen2.5-VL with the 3B model's structure at tiny widths, stored in bf16, no manifest),
 data in Vision-FLAN's layout, bf16 training with ZeRO-3 on 2 ranks and 4 accumulated micro
 batches, a branch SIGKILLed and resumed, Iso-C with Newton–Schulz, TIES and Fisher merges."""

@@ -23,6 +23,8 @@ from pipeline.merge import CheckpointReader
 from pipeline.models import build_tiny_processor
 from pipeline.models.tiny import tiny_config
 
+pytestmark = pytest.mark.release  # a shipped config of a large model's shape: make test-release
+
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "qwen2_5_vl_7b_lora.yaml"
 

@@ -25,7 +25,10 @@ from pipeline.train.launch import free_port
 
 ROOT = Path(__file__).parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: .ci/run installs Debian's chromium")
+pytestmark = [
+    pytest.mark.release,  # the UI in a browser: make test-release
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: .ci/run installs Debian's chromium"),
+]
 PUBLISH = """
 import sys
 from prefect import flow

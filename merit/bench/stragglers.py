@@ -16,30 +16,25 @@ and gets back (k, its payload index, the base version, steps, tokens, Δ = θ_ba
 compressed as sent, with error feedback when compressed, the inner seconds), all through
 multiprocessing queues (state dicts serialised with ``torch.save``).
 
-Modes, all from the same θ0 with the same shards, seeds and outer method:
+The rounds are the library's: :class:`pipeline.diloco.policy.RoundPolicy` (the rule the flow's
+round loop decides by) closes a round, tells a late payload, weighs a round's payloads and gives an
+async worker its steps; :func:`pipeline.diloco.aggregate.aggregate_deltas` (a round) and
+:class:`pipeline.diloco.aggregate.AsyncOuter` (an arrival) step θ. The bench adds the processes,
+the slow worker's clock and one rule of its own. Modes, all from the same θ0, shards and seeds:
 
-- ``sync``: each of T rounds waits for all R payloads, then the library's weighted averaging
-  (``merge_state_dicts``, weights by tokens) and the ``OuterSGD`` step, exactly the last line of
-  :func:`pipeline.diloco.aggregate` (the workers send Δ, not θ_k, so its first half — computing
-  and compressing Δ — runs in the workers).
-- ``quorum-drop`` / ``quorum-discount``: a round aggregates as soon as Q workers (``--quorum``,
-  default R − 1) sent a payload from the current global; the others are stragglers and go on with
-  the round they are training. A straggler's late payload, then: ``drop`` — discarded, the worker
-  joins the newest global with its own inner state (the flow's rule, OpenDiLoCo's): the worker
-  sees that the global has moved on before sending and sends no Δ (0 bytes), as the flow's worker
-  does; ``discount`` — kept for the NEXT aggregate, its weight (tokens) multiplied by
-  1 / (1 + s), s = the rounds elapsed since its base global at that aggregate (s = 0 for the
-  round's own payloads), and the worker joins the newest global at once. The weights are
-  renormalised (the merge library always normalises them): the aggregate stays a weighted mean
-  of pseudo-gradients, so η keeps its meaning and a late payload only takes a smaller share. Δ is
-  relative, so a late payload needs no old global. No round timeout (the flow's
-  ``round_timeout_s``): a round closes at the Q-th payload. T rounds of the server.
-- ``async``: every payload is applied when it arrives (:class:`pipeline.diloco.aggregate.AsyncOuter`,
-  window R, each arrival weighing 1 / R: delayed Nesterov) and its worker gets the newest global at once;
-  dynamic local steps (DyLU, Liu et al. 2024, arXiv 2401.09135): a worker's next payload has
-  H_k = max(1, round(H × speed_k / max_j speed_j)) steps, speed = steps / inner seconds of each
-  worker's latest payload (H while a worker has none). Each worker sends T payloads; the run ends
-  when all R·T are applied.
+- ``sync``: a round closes when all R payloads are in, weighted by tokens, merged and stepped
+  (the workers send Δ: the compression half of :func:`pipeline.diloco.aggregate` runs in them).
+- ``quorum-drop``: the flow's ``diloco.sync: quorum``, Q = ``--quorum`` (default R − 1): a round
+  closes at the Q-th payload from its global; the others are stragglers and go on training. A
+  payload of a round gone on without its worker is dropped and the worker joins the newest global
+  with its own inner state (OpenDiLoCo's rule; one that sees this before sending sends no Δ, as
+  the flow's worker). No round timeout.
+- ``quorum-discount``: the bench's own, what dropping was measured against: a late payload enters
+  the NEXT aggregate, its weight × 1 / (1 + s), s the rounds since its base global, the weights
+  renormalised (a weighted mean of pseudo-gradients still: η keeps its meaning).
+- ``async``: the flow's ``diloco.sync: async``: each payload applied as it arrives (window R,
+  1 / R each, delayed Nesterov), its worker sent the newest global at once for H_k steps (dynamic
+  local steps, DyLU, Liu et al. 2024, arXiv 2401.09135); each worker sends T payloads.
 
 Choices:
 
@@ -74,6 +69,7 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -97,10 +93,10 @@ from merit.bench.diloco import (
     tiny_qwen2,
 )
 from pipeline.checkpoint import write_text_atomic
-from pipeline.diloco.aggregate import AsyncOuter
+from pipeline.diloco.aggregate import AsyncOuter, aggregate_deltas
 from pipeline.diloco.compress import compress_with_feedback, decompress, payload_bytes
+from pipeline.diloco.policy import RoundPolicy, default_weighting
 from pipeline.figures import save_figure
-from pipeline.merge import merge_state_dicts
 from pipeline.train.lifetime import die_with_parent
 
 MODES = ("sync", "quorum-drop", "quorum-discount", "async")
@@ -127,6 +123,12 @@ class Setting:
     method: str = "diloco"
     compression: str = "none"
     seed: int = 0
+
+    def policy(self, mode: str) -> RoundPolicy:
+        """The library's rule for ``mode``, as the flow builds it from ``diloco.sync`` and ``diloco.quorum``."""
+        sync = "async" if mode == "async" else "quorum" if mode.startswith("quorum") else "sync"
+        quorum = self.quorum if sync == "quorum" else None
+        return RoundPolicy(self.workers, self.inner_steps, quorum, default_weighting(sync))
 
 
 def parse_slow(specs: list[str], workers: int) -> dict[int, float]:
@@ -206,7 +208,8 @@ def _serve(k: int, train: torch.Tensor, heldout: torch.Tensor, inbox, outbox, ve
                 continue
             inner = time.perf_counter() - start
             delta, sent = None, 0
-            if not (drop_late and version.value > base_version):  # a dropped straggler sends no Δ
+            # A straggler that sees its round gone on without it sends no Δ (the flow's worker's rule).
+            if not (drop_late and RoundPolicy.closed_to(base_version, k, version.value, None)):
                 delta = {}
                 for name, theta_k in learner.model.state_dict().items():
                     kept = residual.setdefault(name, torch.zeros_like(base[name])) if residual is not None else None
@@ -373,165 +376,160 @@ class WorkerStats:
     bytes_sent: int = 0
     steps_per_payload: list[int] = field(default_factory=list)
 
+    def received(self, p: dict) -> None:
+        self.payloads, self.steps = self.payloads + 1, self.steps + p["steps"]
+        self.bytes_sent += p["bytes"]
+        self.steps_per_payload.append(p["steps"])
 
-@dataclass
-class ModeRun:
-    mode: str
-    wall_seconds: float
-    bytes_sent: int
-    snapshots: list[Snapshot]
-    workers: list[WorkerStats]
-    rounds: list[dict] = field(default_factory=list)  # sync, quorum
-    arrivals: list[dict] = field(default_factory=list)  # async
+    def took(self, p: dict) -> None:
+        self.applied, self.steps_applied = self.applied + 1, self.steps_applied + p["steps"]
 
 
-def _received(stats: list[WorkerStats], p: dict) -> None:
-    s = stats[p["worker"]]
-    s.payloads, s.steps, s.bytes_sent = s.payloads + 1, s.steps + p["steps"], s.bytes_sent + p["bytes"]
-    s.steps_per_payload.append(p["steps"])
+class Server:
+    """One mode's global θ, its snapshots (after every outer step) and what each worker sent, with
+    the library's rule for the mode. ``take`` gets each payload as it arrives and returns the
+    workers to send the newest global to, each with its steps; ``clock``: seconds since θ0 was sent."""
+
+    drops_late = False  # whether a worker that finds its round gone on sends no Δ
+
+    def __init__(self, setting: Setting, mode: str, theta0: dict[str, torch.Tensor], clock: Callable[[], float]):
+        self.setting, self.policy, self.clock = setting, setting.policy(mode), clock
+        self.method, self.theta = METHODS[setting.method], clone(theta0)
+        self.version, self.total = 0, setting.rounds  # the newest global's, the last one's
+        self.stats = [WorkerStats() for _ in range(setting.workers)]
+        self.snapshots = [Snapshot(0.0, 0, clone(theta0))]
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.total
+
+    def delta(self, p: dict) -> dict[str, torch.Tensor]:
+        payload = unpack(p["delta"])
+        return {name: decompress(payload, name, tuple(t.shape)) for name, t in self.theta.items()}
+
+    def snapshot(self) -> float:
+        self.snapshots.append(Snapshot(self.clock(), self.version, clone(self.theta)))
+        return self.snapshots[-1].seconds
 
 
-def _applied(stats: list[WorkerStats], p: dict) -> None:
-    s = stats[p["worker"]]
-    s.applied, s.steps_applied = s.applied + 1, s.steps_applied + p["steps"]
+class RoundServer(Server):
+    """``sync`` and the quorum modes: T rounds, closed (``round_closes``: all R, or the first Q
+    from the round's global), weighed (``weights``) and stepped (``aggregate_deltas``) as the
+    flow's; a late payload told by ``closed_to``, dropped, or with ``quorum-discount`` kept for the
+    next round, its weight × 1 / (1 + staleness)."""
+
+    def __init__(self, setting: Setting, mode: str, theta0: dict[str, torch.Tensor], clock: Callable[[], float]):
+        super().__init__(setting, mode, theta0, clock)
+        self.keep_late = mode == "quorum-discount"
+        self.drops_late, self.momentum = not self.keep_late, {}
+        self.fresh, self.late, self.dropped, self.rounds = [], [], [], []
+
+    def take(self, p: dict) -> list[tuple[int, int]]:
+        k, H = p["worker"], self.setting.inner_steps
+        self.stats[k].received(p)
+        # Here a round's members are decided with its global, at once: the version alone tells.
+        if self.policy.closed_to(p["base"], k, self.version, None):
+            if self.keep_late:
+                self.late.append(p)
+            else:
+                self.stats[k].dropped += 1
+                self.dropped.append({"worker": k, "base": p["base"], "arrived_at_version": self.version})
+            return [(k, H)]  # it joins the newest global at once
+        self.fresh.append(p)
+        if not self.policy.round_closes([q["worker"] for q in self.fresh], failed=()):
+            return []
+        members = self.close_round()
+        return [] if self.done else [(j, H) for j in members]
+
+    def close_round(self) -> list[int]:
+        """Step θ with the round's payloads (and the late ones kept); returns the round's members."""
+        # In worker order, as the flow's rounds: the same sums in the same order in every run (with
+        # momentum, rounding differences would grow over the rounds).
+        taken = sorted(self.fresh, key=lambda p: p["worker"]) + self.late
+        staleness = [self.version - p["base"] for p in taken]  # 0 but for the late payloads
+        weights = self.policy.weights([p["tokens"] for p in taken]).double() / (1 + torch.tensor(staleness))
+        deltas, rules, sent = [self.delta(p) for p in taken], list(self.method.rules), sum(p["bytes"] for p in taken)
+        aggregate_deltas(self.theta, deltas, weights, rules, self.method.outer, self.momentum, sent)
+        for p in taken:
+            self.stats[p["worker"]].took(p)
+        self.version += 1
+        members = [p["worker"] for p in taken[: len(self.fresh)]]
+        late = [(p, s) for p, s in zip(taken, staleness) if s]
+        self.rounds.append(
+            {
+                "round": self.version,
+                "seconds": self.snapshot(),
+                "aggregated": members,
+                "stragglers": self.policy.stragglers(members, failed=()),
+                "late_applied": [
+                    {"worker": p["worker"], "base": p["base"], "staleness": s, "factor": 1 / (1 + s)} for p, s in late
+                ],
+                "late_dropped": self.dropped,
+                "weights": (weights / weights.sum()).tolist(),
+            }
+        )
+        self.fresh, self.late, self.dropped = [], [], []
+        return members
+
+    def records(self) -> dict:
+        return {"stragglers_per_round": [r["stragglers"] for r in self.rounds], "rounds": self.rounds}
 
 
-def _delta(p: dict, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    payload = unpack(p["delta"])
-    return {name: decompress(payload, name, tuple(t.shape)) for name, t in theta.items()}
+class ArrivalServer(Server):
+    """``async``: each payload applied as it arrives by ``AsyncOuter`` (window R, the library's
+    arrival weight), its worker sent the newest global at once for ``local_steps`` (DyLU) steps,
+    until it has sent T payloads."""
+
+    def __init__(self, setting: Setting, mode: str, theta0: dict[str, torch.Tensor], clock: Callable[[], float]):
+        super().__init__(setting, mode, theta0, clock)
+        self.outer = AsyncOuter(self.theta, self.method.outer, setting.workers, self.policy.weighting)
+        self.speeds: dict[int, float] = {}  # each worker's steps per second in its latest payload
+        self.arrivals, self.total = [], setting.workers * setting.rounds  # a global an arrival
+
+    def take(self, p: dict) -> list[tuple[int, int]]:
+        k, stats = p["worker"], self.stats[p["worker"]]
+        stats.received(p)
+        weight = self.outer.apply(self.delta(p), p["tokens"])
+        stats.took(p)
+        self.speeds[k] = p["steps"] / p["inner_seconds"]
+        arrival = {"worker": k, "n": p["n"], "base": p["base"], "staleness": self.version - p["base"]}
+        self.version += 1
+        seconds = self.snapshot() if self.version % self.setting.workers == 0 else self.clock()  # a window closed
+        self.arrivals.append(arrival | {"steps": p["steps"], "weight": weight, "seconds": seconds})
+        return [(k, self.policy.local_steps(self.speeds, k))] if stats.payloads < self.setting.rounds else []
+
+    def records(self) -> dict:
+        return {"arrivals": self.arrivals}
 
 
-def launch(pool: Pool, theta: dict[str, torch.Tensor], R: int, H: int) -> tuple[float, list[Snapshot], set[int], bytes]:
-    """θ0 to every worker: the run's clock starts, its first snapshot, every worker busy, and θ0
-    as sent."""
-    start = time.perf_counter()
-    blob = pack(theta)
-    for k in range(R):
-        pool.send(k, "global", 0, blob, H)
-    return start, [Snapshot(0.0, 0, clone(theta))], set(range(R)), blob
-
-
-def run_rounds(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor], mode: str) -> ModeRun:
-    """``sync`` (a quorum of R) or ``quorum-drop`` / ``quorum-discount`` (a quorum of Q; the rule
-    for a late payload)."""
-    outer, rules = METHODS[setting.method].outer, list(METHODS[setting.method].rules)
-    R, H, T = setting.workers, setting.inner_steps, setting.rounds
-    quorum, rule = (R, "drop") if mode == "sync" else (setting.quorum, mode.removeprefix("quorum-"))
-    theta, momentum = clone(theta0), {}
-    stats = [WorkerStats() for _ in range(R)]
-    pool.reset(setting, drop_late=rule == "drop")
-    version, fresh, late, dropped, rounds = 0, [], [], [], []
-    start, snapshots, busy, blob = launch(pool, theta, R, H)
-    with tqdm(total=T, desc=f"{mode} R={R}", unit="round", leave=False) as bar:
-        while version < T:
-            _, k, p = pool.receive()
-            busy.discard(k)
-            _received(stats, p)
-            if p["base"] == version:
-                fresh.append(p)
-            else:  # a straggler's: it joins the newest global at once
-                if rule == "drop" or p["delta"] is None:
-                    stats[k].dropped += 1
-                    dropped.append({"worker": k, "base": p["base"], "arrived_at_version": version})
-                else:
-                    late.append(p)
-                pool.send(k, "global", version, blob, H)
-                busy.add(k)
-            if len(fresh) < quorum:
-                continue
-            # In worker order, not arrival order: the same sums in the same order in every run
-            # (with momentum, rounding differences grow over the rounds).
-            fresh.sort(key=lambda p: p["worker"])
-            entries = [(p, version - p["base"]) for p in fresh + late]
-            weights = [p["tokens"] / (1 + s) for p, s in entries]
-            outer.step_all(theta, merge_state_dicts([_delta(p, theta) for p, _ in entries], weights, rules), momentum)
-            version += 1
-            pool.version.value = version
-            snapshots.append(Snapshot(time.perf_counter() - start, version, clone(theta)))
-            for p, _ in entries:
-                _applied(stats, p)
-            aggregated = [p["worker"] for p in fresh]
-            rounds.append(
-                {
-                    "round": version,
-                    "seconds": snapshots[-1].seconds,
-                    "aggregated": aggregated,
-                    "stragglers": [j for j in range(R) if j not in aggregated],
-                    "late_applied": [
-                        {"worker": p["worker"], "base": p["base"], "staleness": s, "factor": 1 / (1 + s)}
-                        for p, s in entries
-                        if s > 0
-                    ],
-                    "late_dropped": dropped,
-                    "weights": [w / sum(weights) for w in weights],
-                }
-            )
-            blob = pack(theta)
-            if version < T:
-                for j in aggregated:
-                    pool.send(j, "global", version, blob, H)
-                    busy.add(j)
-            fresh, late, dropped = [], [], []
-            bar.update()
-    pool.finish(busy)
-    return ModeRun(mode, snapshots[-1].seconds, sum(s.bytes_sent for s in stats), snapshots, stats, rounds=rounds)
-
-
-def dylu_steps(inner_steps: int, speeds: dict[int, float], k: int) -> int:
-    """DyLU: H_k = max(1, round(H × speed_k / max_j speed_j)); H before k's speed is measured."""
-    if k not in speeds:
-        return inner_steps
-    return max(1, round(inner_steps * speeds[k] / max(speeds.values())))
-
-
-def run_async(pool: Pool, setting: Setting, theta0: dict[str, torch.Tensor]) -> ModeRun:
-    """Every payload applied as it arrives (AsyncOuter, window R, each weighing 1 / R); DyLU steps."""
-    outer = METHODS[setting.method].outer
-    R, H, T = setting.workers, setting.inner_steps, setting.rounds
-    theta = clone(theta0)
-    server = AsyncOuter(theta, outer, window=R)
-    stats = [WorkerStats() for _ in range(R)]
-    pool.reset(setting, drop_late=False)
-    speeds: dict[int, float] = {}
-    arrivals: list[dict] = []
-    start, snapshots, busy, blob = launch(pool, theta, R, H)
-    with tqdm(total=R * T, desc=f"async R={R}", unit="arrival", leave=False) as bar:
-        while len(arrivals) < R * T:
-            _, k, p = pool.receive()
-            busy.discard(k)
-            _received(stats, p)
-            weight = server.apply(_delta(p, theta), p["tokens"])
-            _applied(stats, p)
-            speeds[k] = p["steps"] / p["inner_seconds"]
-            arrivals.append(
-                {
-                    "worker": k,
-                    "n": p["n"],
-                    "base": p["base"],
-                    "staleness": len(arrivals) - p["base"],  # arrivals applied since its global
-                    "steps": p["steps"],
-                    "weight": weight,
-                    "seconds": time.perf_counter() - start,
-                }
-            )
-            if len(arrivals) % R == 0:
-                snapshots.append(Snapshot(time.perf_counter() - start, len(arrivals), clone(theta)))
-            if stats[k].payloads < T:
-                blob = pack(theta)
-                pool.send(k, "global", len(arrivals), blob, dylu_steps(H, speeds, k))
-                busy.add(k)
-            bar.update()
-    pool.finish(busy)
-    return ModeRun(
-        "async", snapshots[-1].seconds, sum(s.bytes_sent for s in stats), snapshots, stats, arrivals=arrivals
+def run_mode(pool: Pool, mode: str, setting: Setting, theta0: dict[str, torch.Tensor]) -> Server:
+    """One mode on the pool's workers: θ0 to each, then each payload to the mode's server and the
+    newest global to the workers it names, to the last outer step; work in flight then is cancelled."""
+    server = (ArrivalServer if mode == "async" else RoundServer)(
+        setting, mode, theta0, clock=lambda: time.perf_counter() - start
     )
+    pool.reset(setting, drop_late=server.drops_late)
+    start, blob = time.perf_counter(), pack(server.theta)  # the server's clock runs from here
+    for k in range(setting.workers):
+        pool.send(k, "global", 0, blob, setting.inner_steps)
+    busy = set(range(setting.workers))
+    with tqdm(total=server.total, desc=f"{mode} R={setting.workers}", unit="global", leave=False) as bar:
+        while not server.done:
+            _, k, p = pool.receive()
+            busy.discard(k)
+            before = server.version
+            sends = server.take(p)
+            pool.version.value = server.version
+            blob = pack(server.theta) if sends else blob
+            for j, steps in sends:
+                pool.send(j, "global", server.version, blob, steps)
+                busy.add(j)
+            bar.update(server.version - before)
+    pool.finish(busy)
+    return server
 
 
-def run_mode(pool: Pool, mode: str, setting: Setting, theta0: dict[str, torch.Tensor]) -> ModeRun:
-    return run_async(pool, setting, theta0) if mode == "async" else run_rounds(pool, setting, theta0, mode)
-
-
-def figures(run: ModeRun, losses: list[float], sync_wall: float | None) -> dict:
+def figures(run: Server, losses: list[float], sync_wall: float | None) -> dict:
     """A mode's figures for the table and the JSON (the snapshots' states left out)."""
     curve = [
         {"seconds": s.seconds, "version": s.version, "loss": loss, "load": s.load}
@@ -542,19 +540,14 @@ def figures(run: ModeRun, losses: list[float], sync_wall: float | None) -> dict:
         at_sync = [c["loss"] for c in curve if c["seconds"] <= sync_wall][-1]
     result = {
         "final_loss": curve[-1]["loss"],
-        "wall_seconds": run.wall_seconds,
+        "wall_seconds": run.snapshots[-1].seconds,
         "loss_at_sync_wall": at_sync,
-        "bytes_sent": run.bytes_sent,
+        "bytes_sent": sum(s.bytes_sent for s in run.stats),
         "load_average": sum(c["load"] for c in curve[1:]) / (len(curve) - 1),  # during the run, for the record
-        "workers": [asdict(s) for s in run.workers],
+        "workers": [asdict(s) for s in run.stats],
         "curve": curve,
     }
-    if run.rounds:
-        result["stragglers_per_round"] = [r["stragglers"] for r in run.rounds]
-        result["rounds"] = run.rounds
-    if run.arrivals:
-        result["arrivals"] = run.arrivals
-    return result
+    return result | run.records()
 
 
 def run_bench(
@@ -578,12 +571,12 @@ def run_bench(
         sync_wall = None
         for mode in modes:
             run = run_mode(pool, mode, setting, theta0)
-            sync_wall = run.wall_seconds if mode == "sync" else sync_wall
+            sync_wall = run.snapshots[-1].seconds if mode == "sync" else sync_wall
             losses = [initial, *pool.evaluate([s.state for s in run.snapshots[1:]])]
-            results[mode] = figures(run, losses, sync_wall)
+            results[mode] = r = figures(run, losses, sync_wall)
             print(
-                f"{mode}: wall {run.wall_seconds:.1f} s, final held-out loss {losses[-1]:.4f}, "
-                f"{run.bytes_sent / 1e6:,.1f} MB sent; load average {results[mode]['load_average']:.1f} "
+                f"{mode}: wall {r['wall_seconds']:.1f} s, final held-out loss {losses[-1]:.4f}, "
+                f"{r['bytes_sent'] / 1e6:,.1f} MB sent; load average {r['load_average']:.1f} "
                 f"on {os.cpu_count()} CPUs",
                 flush=True,
             )
@@ -720,8 +713,11 @@ def _main(args: argparse.Namespace) -> None:
                 "wall_seconds": "from θ0 sent to the last outer step (T rounds, R·T arrivals in async)",
                 "loss_at_sync_wall": "the latest snapshot taken at or before sync's wall time",
                 "bytes_sent": "every Δ payload the workers sent during the run, as compressed, applied or not",
+                "rounds": "the library's: pipeline.diloco.policy.RoundPolicy (members, late payloads, weights, "
+                "async steps), aggregate_deltas (a round), AsyncOuter (an arrival)",
+                "weighting": "rounds by tokens, async arrivals 1 / R each (the library's defaults)",
                 "discount": "a late payload's weight × 1 / (1 + staleness), weights renormalised",
-                "dylu": "H_k = max(1, round(H · speed_k / max_j speed_j))",
+                "dylu": "H_k = max(1, min(H, round(H · speed_k / max_j speed_j)))",
                 "cpus": os.cpu_count(),
                 "load": "the machine's 1-minute load average at each snapshot (os.getloadavg), for the record",
                 "bench_seconds": time.perf_counter() - start,

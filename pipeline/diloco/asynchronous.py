@@ -146,12 +146,10 @@ def speeds(plan: DilocoPlan) -> dict[int, float]:
 def dynamic_steps(plan: DilocoPlan, k: int, speed: float | None) -> int:
     """H scaled by worker k's speed against the fastest worker's (``speed``: its own latest,
     measured; the others' from the records); H itself before anything is measured."""
-    known = speeds(plan) if plan.dynamic_steps else {}
-    if speed is not None and plan.dynamic_steps:
+    known = speeds(plan) if plan.dynamic_steps else {}  # off: H whatever the speeds, no records read
+    if speed is not None:
         known[k] = speed
-    if k not in known:
-        return plan.inner_steps
-    return max(1, min(plan.inner_steps, round(plan.inner_steps * known[k] / max(known.values()))))
+    return plan.policy.local_steps(known, k)
 
 
 # ---- the aggregator's side --------------------------------------------------------------------

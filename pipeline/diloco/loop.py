@@ -124,11 +124,11 @@ class Workers:
     def wait_round(self, r: int) -> list[int]:
         """The workers whose round-r payload is published, once every other one has failed; in
         quorum mode also once ``quorum`` of them have, or ``round_timeout_s`` after the first."""
-        quorum, timeout_s, first = self.plan.quorum or self.plan.size, self.plan.round_timeout_s, None
+        policy, timeout_s, first = self.plan.policy, self.plan.round_timeout_s, None
         while True:
             self.collect()
             sent = [k for k in range(self.plan.size) if (delta_dir(self.plan, r, k) / MANIFEST).is_file()]
-            if len(sent) + len(set(self.failures) - set(sent)) >= self.plan.size or len(sent) >= quorum:
+            if policy.round_closes(sent, self.failures):
                 return sent
             if sent and first is None:
                 first = time.monotonic()
@@ -293,7 +293,7 @@ class _Loop:
             "failures": {str(k): why for k, why in dropped.items()},
             # Still training round r: their payload will find the round closed and be dropped, and
             # they join the next global with their own inner state (OpenDiLoCo's rule).
-            "stragglers": [k for k in range(plan.size) if k not in sent and k not in dropped],
+            "stragglers": plan.policy.stragglers(sent, dropped),
         }
         return sent, notes
 

@@ -25,6 +25,7 @@ from calibration.split import plan_split
 from pipeline.checkpoint import write_json_atomic
 from pipeline.config import DilocoMethod, RunConfig
 from pipeline.data import active_sources, read_manifest
+from pipeline.diloco.policy import RoundPolicy, default_weighting
 from pipeline.layout import DILOCO_PLAN, diloco_dir, init_path, split_groups
 from pipeline.train.plan import joint_spec
 from pipeline.train.spec import BranchSpec
@@ -51,6 +52,11 @@ class DilocoPlan(BaseModel):
     @property
     def size(self) -> int:
         return len(self.workers)
+
+    @property
+    def policy(self) -> RoundPolicy:
+        """What decides the rounds: their members, late payloads, weights and async local steps."""
+        return RoundPolicy(self.size, self.inner_steps, self.quorum, self.method.weighting, self.dynamic_steps)
 
     @property
     def final(self) -> int:
@@ -113,7 +119,7 @@ def shards(cfg: RunConfig, run_dir: str | Path) -> list[tuple[list[str], tuple[i
 def diloco_plan(cfg: RunConfig, run_dir: str | Path, method: DilocoMethod) -> DilocoPlan:
     d, variant = cfg.diloco, variant_name(cfg, method)
     # The weighting's default, settled here so that plan.json and the digest name the one used.
-    method = method.model_copy(update={"weighting": method.weighting or ("equal" if d.sync == "async" else "tokens")})
+    method = method.model_copy(update={"weighting": method.weighting or default_weighting(d.sync)})
     folder, init = diloco_dir(run_dir, variant), init_path(cfg, run_dir)
     parts = shards(cfg, run_dir)
     rounds = d.rounds or max(1, round(joint_spec(cfg, run_dir).train.steps / (len(parts) * d.inner_steps)))
@@ -164,9 +170,9 @@ def check_diloco(cfg: RunConfig, gpus: int) -> str:
     there, random shards for R not a power of 2,
     and R workers that do not fit this machine's GPUs (they all train at once)."""
     r, per, problems = cfg.diloco_workers, cfg.train.processes, []
-    stage = json.loads(Path(cfg.train.deepspeed).read_text()).get("zero_optimization", {}).get("stage", 0)
+    stage = json.loads(cfg.train.deepspeed_file.read_text()).get("zero_optimization", {}).get("stage", 0)
     if stage == 3:
-        problems.append(f"{cfg.train.deepspeed} uses ZeRO-3; DiLoCo workers support ZeRO stages 0-2")
+        problems.append(f"{cfg.train.deepspeed_file} uses ZeRO-3; DiLoCo workers support ZeRO stages 0-2")
     if cfg.diloco.replay is not None and not Path(cfg.diloco.replay).is_file():
         problems.append(f"diloco.replay: {cfg.diloco.replay} does not exist")
     if cfg.diloco.shards == "random" and r & (r - 1):

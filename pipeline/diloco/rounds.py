@@ -211,10 +211,10 @@ def round_inputs(plan: DilocoPlan, r: int, workers: list[int]) -> dict[str, Any]
 
 
 def closed_to(plan: DilocoPlan, r: int, k: int) -> bool:
-    """Whether round r has gone on without worker k: its global exists, or its members are
-    decided without k (a payload of k's would be dropped)."""
+    """Whether round r has gone on without worker k (``RoundPolicy.closed_to``): its global exists,
+    or its members are decided without k (a payload of k's would be dropped)."""
     entry = members_of(plan, r)
-    return rounds_done(plan) > r or (entry is not None and k not in entry["workers"])
+    return plan.policy.closed_to(r, k, rounds_done(plan), None if entry is None else entry["workers"])
 
 
 def aggregate_round(
@@ -433,9 +433,7 @@ class _RoundStep:
 
 def worker_weights(plan: DilocoPlan, metas: list[dict[str, Any]]) -> torch.Tensor:
     """The workers' weights in the aggregate: the tokens each trained on this round, or equal."""
-    raw = [m["tokens"] if plan.method.weighting == "tokens" else 1.0 for m in metas]
-    weights = torch.tensor(raw, dtype=torch.float64)
-    return (weights / weights.sum()).float()
+    return plan.policy.weights([m["tokens"] for m in metas])
 
 
 def outer_of(method: DilocoMethod) -> OuterSGD:

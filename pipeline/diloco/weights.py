@@ -32,7 +32,7 @@ def check_masters(params: dict[str, torch.nn.Parameter]) -> None:
     if hidden:
         raise ValueError(
             f"DiLoCo: tensor {hidden[0]} is {params[hidden[0]].dtype} without a master copy DeepSpeed exposes; "
-            "train bf16 workers with ZeRO stage 1 or 2 (configs/deepspeed/zero2.json)"
+            "train bf16 workers with ZeRO stage 1 or 2 (train.deepspeed: zero2)"
         )
 
 
