@@ -194,3 +194,72 @@ def test_the_citation_file_names_the_project_and_the_papers_the_readme_cites():
     cited = {ref["title"]: [i["value"] for i in ref.get("identifiers", [])] for ref in cff["references"]}
     merit = "Decentralized Instruction Tuning: Conflict-Aware Splitting and Weight Merging"
     assert merit in readme.replace("\n", " ") and cited[merit] == ["arXiv:2606.01717"] and "2606.01717" in readme
+
+
+def undocumented(parser, measurements: dict[str, str], reference: str, readme: str) -> list[str]:
+    """What the docs lack: a ``merit`` command (a subparser of ``parser``) or one of its long
+    options, or a ``merit bench`` measurement, missing from the CLI reference (each command as a
+    code span that opens with ``merit NAME``); a command missing from the README's command table
+    (the rows between ``## The command line`` and the next ``## `` heading), or a table whose
+    ``merit bench NAME`` row does not list the measurements, in their order."""
+    import argparse
+
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, sub in subparsers.choices.items():
+        if not re.search(rf"`merit {re.escape(name)}(?![\w-])", reference):
+            missing.append(f"cli.md: merit {name}")
+        options = sorted({s for a in sub._actions for s in a.option_strings if s.startswith("--") and s != "--help"})
+        named = [o for o in options if re.search(rf"(?<![\w-]){o}(?![\w-])", reference)]
+        missing += [f"cli.md: merit {name} {o}" for o in options if o not in named]
+    missing += [f"cli.md: merit bench {m}" for m in measurements if f"`merit bench {m}" not in reference]
+    section = readme.split("\n## The command line\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `merit ")]
+    commands = {re.match(r"`merit ([\w-]+)", cell)[1]: cell for cell in rows}
+    missing += [f"README.md: merit {name}" for name in subparsers.choices if name not in commands]
+    if "bench" in commands and re.findall(r"`([\w-]+)`", commands["bench"]) != list(measurements):
+        missing.append(f"README.md: the merit bench row lists {list(measurements)} in that order")
+    return missing
+
+
+def test_every_command_and_measurement_is_in_the_cli_reference_and_the_readme_table():
+    """docs/reference/cli.md names every ``merit`` command, each of its options and every ``merit
+    bench`` measurement; the README's table has a row per command, and its bench row names the
+    measurements. A command or measurement added without docs fails here, as the check on a parser
+    with a command, an option and a measurement more shows."""
+    import argparse
+
+    from merit.bench import MEASUREMENTS
+    from merit.cli import build_parser
+
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    reference = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert {"run", "tune-merge", "bench"} <= set(subparsers.choices)
+    assert {"experts", "sources", "mixture"} <= set(MEASUREMENTS)
+    assert undocumented(parser, MEASUREMENTS, reference, readme) == []
+
+    subparsers.add_parser("frobnicate").add_argument("--wobble")
+    subparsers.choices["merge"].add_argument("--dry-run", action="store_true")
+    more = {**MEASUREMENTS, "gadgets": "a measurement nobody documented"}
+    assert undocumented(parser, more, reference, readme) == [
+        "cli.md: merit merge --dry-run",
+        "cli.md: merit frobnicate",
+        "cli.md: merit frobnicate --wobble",
+        "cli.md: merit bench gadgets",
+        "README.md: merit frobnicate",
+        f"README.md: the merit bench row lists {list(more)} in that order",
+    ]
+
+
+def test_the_readme_and_the_sites_home_tell_the_same_status():
+    """One status table, in the same words on both pages (the README's links reach docs/)."""
+
+    def status(text: str) -> str:
+        section = text[text.index("## Status") :]
+        return section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)].strip()
+
+    readme = status((ROOT / "README.md").read_text()).replace("](docs/", "](")
+    home = status((ROOT / "docs" / "index.md").read_text())
+    assert readme == home and "Never run yet:" in home and "| what ran | machine | commit | results |" in home
