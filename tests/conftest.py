@@ -222,9 +222,8 @@ def branch_spec(run_dir: Path, out: Path, *overrides: str, sources: list[str] = 
     from pipeline.layout import init_path
     from pipeline.train import BranchSpec
 
-    deepspeed = Path(__file__).parent.parent / "configs" / "deepspeed" / "zero2.json"
     settings = ["train.steps=12", "train.micro_batch=4", "train.max_tokens=256", "train.checkpoint_every=4"]
-    settings.append(f"train.deepspeed={deepspeed}")
+    settings.append("train.deepspeed=zero2")
     cfg = load_config(run_dir / "config.yaml", [*settings, *overrides])
     return BranchSpec(
         name=out.name, run_dir=str(run_dir), init=init_path(cfg, run_dir), sources=sources, out_dir=str(out), config=cfg

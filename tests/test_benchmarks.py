@@ -155,6 +155,7 @@ def test_a_current_job_is_not_run_again_and_a_changed_one_is(jobs, tiny_run):
     run_benchmark(cfg, run_dir, "theta0", str(run_dir / "init"), "toy_reading")  # back to the fixture's
 
 
+@pytest.mark.release  # the same job again on 2 ranks
 def test_data_parallel_ranks_answer_every_question_as_one_process_does(jobs):
     """lmms-eval's torchrun mode on 2 CPU ranks (gloo): each rank answers half the questions, rank 0
     gathers them. One question a batch, so that no answer depends on what it is batched with."""
@@ -238,7 +239,7 @@ def test_preflight_refuses_a_judged_task_without_a_judge_and_a_task_without_data
         check_benchmarks(small_config(tasks))
     message = str(refused.value)
     assert "['mmvet', 'mathvista_testmini'] are scored by a judge model: set eval.judge" in message
-    assert "fetch it first: hf download lmms-lab-encoder/ai2d --repo-type dataset" in message
+    assert "fetch it first: `hf download lmms-lab-encoder/ai2d --repo-type dataset`" in message
     assert "task 'mmvet': its data lmms-lab-encoder/MMVet is not in the Hugging Face cache" in message
     assert "task 'mathvista_testmini': its data AI4Math/MathVista is not" in message  # read through its tasks
     assert "lmms-eval has no task 'no_such_task'" in message and "toy_perception" not in message

@@ -269,6 +269,7 @@ def kill_flow_when(path: Path, run_dir: Path, settings: list[str], timeout_s: fl
     proc.wait()
 
 
+@pytest.mark.release  # a whole flow killed; every boundary in-process: test_diloco_kills
 def test_a_flow_killed_while_a_rounds_parts_are_written_resumes_to_the_same_global_weights(prefect_api, tmp_path):
     """Nesterov momentum and int4 compression with error feedback: the outer state and every
     worker's inner state (AdamW moments, data position, residual) must survive the kill. The
@@ -299,6 +300,7 @@ def test_a_flow_killed_while_a_rounds_parts_are_written_resumes_to_the_same_glob
     assert [r["digests"] for r in recorded[1]] == [r["digests"] for r in recorded[0]]  # the same payloads
 
 
+@pytest.mark.release  # a failing worker through the whole flow; quorum's stragglers: below
 def test_a_worker_that_fails_for_good_is_left_out_and_one_worker_with_plain_averaging_is_plain_training(
     prefect_api, tmp_path
 ):
@@ -352,6 +354,7 @@ def test_in_quorum_mode_a_slow_worker_does_not_hold_the_rounds(prefect_api, tmp_
     assert "stragglers [1] left out by the quorum" in report and "| quorum |" in report
 
 
+@pytest.mark.release  # a whole flow killed; every boundary in-process: test_diloco_kills
 def test_a_quorum_flow_killed_while_a_rounds_parts_are_written_aggregates_the_recorded_members(prefect_api, tmp_path):
     """Which workers a quorum round aggregates depends on timing, so its weights are not compared
     with another run's. Killed as round 0's two parts are written (its members decided: worker 0,
@@ -560,6 +563,7 @@ def test_the_round_loop_runs_from_python_without_prefect(diloco_run):
     AutoModelForImageTextToText.from_pretrained(global_dir(plan, 1))
 
 
+@pytest.mark.release  # a second inner optimizer through the whole flow
 def test_muon_workers_keep_their_optimizer_state_across_rounds(diloco_run):
     """MuLoCo: DiLoCo with Muon inside (``train.optimizer: muon``), two rounds of two workers; the
     report's row names the inner optimizer."""

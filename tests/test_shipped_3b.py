@@ -109,6 +109,7 @@ def smoke_settings() -> list[str]:
     return re.findall(r"--set (\S+)", command)
 
 
+@pytest.mark.release  # a second whole flow of the same config (the fixture's)
 def test_the_smoke_run_of_the_first_real_run_page_runs(prefect_api, tmp_path):
     """docs/first-real-run.md's one-GPU smoke command, on a tiny model of the 3B's shape: the
     paths, image sizes, device and benchmarks are the test's, every other setting the page's."""
