@@ -132,6 +132,7 @@ def test_iso_c_and_ties_merge_the_same_model_from_either_layout(qwen3_5_moe):
             torch.testing.assert_close(a.get_loaded(name), b.get_loaded(name), rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.release  # the DiLoCo flow again, on a family whose MERIT flow runs here
 def test_full_weight_diloco_on_a_tiny_qwen3_5_moe_keeps_the_sources_layout(qwen3_5_moe):
     """Full-weight workers send Δ of the experts as they hold them (fused); the globals are written with the
     experts one by one, as the run's source stores them, the mtp head carried."""

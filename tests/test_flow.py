@@ -345,6 +345,7 @@ def test_a_failed_rerun_keeps_the_judged_results_byte_for_byte_and_the_report_na
     assert "theta0, `toy_chat`: an earlier score" in notes and "scored with another limit than this run's" in notes
 
 
+@pytest.mark.release  # the joint flow again over the module's run
 def test_the_joint_flow_reuses_what_the_run_has_and_reports(finished_run, tmp_path):
     reference, _ = finished_run
     run_dir = tmp_path / "run"
@@ -358,6 +359,7 @@ def test_the_joint_flow_reuses_what_the_run_has_and_reports(finished_run, tmp_pa
     assert models[0] == "theta0" and "joint" in models
 
 
+@pytest.mark.release  # a failing branch through a second whole flow; retries: test_worth_retrying
 def test_a_branch_failing_for_good_fails_the_flow_and_keeps_the_others(finished_run, tmp_path):
     run_dir = copy_prepared(finished_run[0], tmp_path / "run", branch=1)
     pointer = run_dir / "branches" / "1" / "checkpoints" / "latest.json"
@@ -425,6 +427,7 @@ def lora_run(prefect_api, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.release  # LoRA through a second whole flow (adapters: test_lora, merges: test_merge_adapters)
 def test_the_lora_flow_trains_adapters_merges_their_delta_w_and_benchmarks_them(lora_run):
     """LoRA branches and LoRA joint baseline; merges on ΔW (one written as an adapter); the Fisher
     merge on the adapted tensors; lmms-eval on adapters; the report says so."""
